@@ -1,0 +1,152 @@
+"""The semkv namespace of a vLLM engine, read from its ``VllmConfig``.
+
+NOTE: any value that cannot be read is left unknown (``None``), which makes the namespace
+match nothing: a donor is never shared on a guess.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+from semkv.namespace import ABSENT, Namespace, canonical
+
+
+def _read(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - an unreadable field stays unknown
+        return None
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    return str(value).removeprefix("torch.")
+
+
+def _optional(value: Any) -> str:
+    return ABSENT if value is None else str(value)
+
+
+def _positional(model_config: Any) -> str | None:
+    hf = model_config.hf_text_config
+    fields = {
+        "rope_parameters": getattr(hf, "rope_parameters", None),
+        "rope_scaling": getattr(hf, "rope_scaling", None),
+        "rope_theta": getattr(hf, "rope_theta", None),
+        "partial_rotary_factor": getattr(hf, "partial_rotary_factor", None),
+        "max_position_embeddings": getattr(hf, "max_position_embeddings", None),
+        "max_model_len": model_config.max_model_len,
+        "sliding_window": getattr(hf, "sliding_window", None),
+    }
+    if fields["rope_parameters"] is None and fields["rope_theta"] is None:
+        return None  # a rotary model whose positions we cannot read: unknown
+    return canonical(fields)
+
+
+def _tokenizer_settings(model_config: Any) -> str:
+    settings = {
+        "mode": str(model_config.tokenizer_mode),
+        "trust_remote_code": bool(model_config.trust_remote_code),
+        "skip_init": bool(model_config.skip_tokenizer_init),
+    }
+    template = _read(lambda: _chat_template_digest(model_config.tokenizer))
+    settings["chat_template"] = template or ABSENT
+    return canonical(settings)
+
+
+def _chat_template_digest(tokenizer_path: str) -> str | None:
+    import os
+
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        path = os.path.join(tokenizer_path, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as fh:
+                return hashlib.sha256(fh.read()).hexdigest()[:16]
+    return None
+
+
+def _attention_isa(vllm_config: Any, head_size: int) -> str:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return ABSENT  # GPU pages are token-major; the backend and layout say enough
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(
+        _get_attn_isa(
+            vllm_config.model_config.dtype,
+            vllm_config.cache_config.block_size,
+            head_size,
+            vllm_config.cache_config.cache_dtype,
+        )
+    )
+
+
+def _kv_layout() -> str | None:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "LBHNC"  # the CPU attention backend supports this layout only
+    from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+    return str(get_kv_cache_layout())
+
+
+def _backend(vllm_config: Any) -> str | None:
+    from vllm.platforms import current_platform
+
+    chosen = getattr(vllm_config.attention_config, "backend", None)
+    if chosen is not None:
+        return str(getattr(chosen, "name", chosen))
+    return "CPU_ATTN" if current_platform.is_cpu() else None
+
+
+def namespace_from_vllm_config(vllm_config: Any) -> Namespace:
+    """The engine-wide namespace; add each request's LoRA and salt with ``for_request``."""
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    head_size = _read(mc.get_head_size)
+    lora = vllm_config.lora_config
+    return Namespace(
+        model_id=_read(lambda: str(mc.model)),
+        model_revision=_read(lambda: _optional(mc.revision)),
+        tokenizer_id=_read(lambda: str(mc.tokenizer)),
+        tokenizer_revision=_read(lambda: _optional(mc.tokenizer_revision)),
+        tokenizer_settings=_read(lambda: _tokenizer_settings(mc)),
+        dtype=_read(lambda: _text(mc.dtype)),
+        kv_cache_dtype=_read(lambda: _text(cc.cache_dtype)),
+        block_size=_read(lambda: int(cc.block_size)),
+        kv_layout=_read(_kv_layout),
+        attention_isa=_read(lambda: _attention_isa(vllm_config, head_size)),
+        attention_backend=_read(lambda: _backend(vllm_config)),
+        tensor_parallel_size=_read(lambda: int(pc.tensor_parallel_size)),
+        pipeline_parallel_size=_read(lambda: int(pc.pipeline_parallel_size)),
+        rank_layout=_read(
+            lambda: canonical(
+                {
+                    "dp": pc.data_parallel_size,
+                    "dcp": getattr(pc, "decode_context_parallel_size", 1),
+                    "pcp": getattr(pc, "prefill_context_parallel_size", 1),
+                    "heads": mc.get_total_num_kv_heads(),
+                }
+            )
+        ),
+        lora_identity=ABSENT if lora is None else None,  # per request, see for_request
+        positional=_read(lambda: _positional(mc)),
+        cache_salt=ABSENT,
+    )
+
+
+def request_lora_identity(lora_request: Any) -> str | None:
+    """A LoRA adapter's identity: its name, id and path (None for the base model)."""
+    if lora_request is None:
+        return None
+    return canonical(
+        {
+            "name": getattr(lora_request, "lora_name", None),
+            "id": getattr(lora_request, "lora_int_id", None),
+            "path": getattr(lora_request, "lora_path", None),
+        }
+    )

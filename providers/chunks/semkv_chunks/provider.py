@@ -1,0 +1,175 @@
+"""Chunk-aligned discovery: hashes of fixed, block-aligned token chunks.
+
+Two indexes per namespace:
+- a *prefix* index of chained chunk hashes (hash of the chunk and of every chunk before it,
+  like vLLM's own block hashes): a hit at chunk ``k`` means the donor's first ``k`` chunks are
+  token-identical to the target's, the only span whose KV is exact;
+- a *span* index of position-free chunk hashes: runs of consecutive chunks that a donor shares
+  with the target at any (aligned) offsets, e.g. a document moved behind another instruction.
+
+Every candidate names its span exactly (``reports_spans``); similarity is the fraction of the
+target's tokens that the span covers. Hash collisions are harmless: admission verifies tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from semkv.provider import DonorProvider, DonorRecord, LookupQuery, ProviderCapabilities
+from semkv.types import Candidate
+
+_Key = tuple[str, int]  # (namespace, hash)
+
+
+class ChunksConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    chunk_tokens: int | None = Field(
+        default=None, ge=1, description="Chunk length; defaults to the engine's block size."
+    )
+    max_postings_per_chunk: int = Field(
+        default=64, ge=1, description="Donors remembered per chunk hash (newest kept)."
+    )
+
+
+@dataclass
+class _Donor:
+    namespace: str
+    length: int
+    span_keys: list[_Key] = field(default_factory=list)
+    prefix_keys: list[_Key] = field(default_factory=list)
+
+
+@dataclass
+class _Run:
+    donor_start: int
+    target_start: int
+    chunks: int
+
+
+class ChunksProvider(DonorProvider):
+    name = "chunks"
+    capabilities = ProviderCapabilities(reports_spans=True)
+    Config = ChunksConfig
+    config: ChunksConfig
+
+    def __init__(self, config: BaseModel, context) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(config, context)
+        self.chunk = self.config.chunk_tokens or context.block_size
+        self._lock = threading.RLock()
+        self._donors: dict[str, _Donor] = {}
+        # hash key -> {donor_id: chunk index}, insertion-ordered so the oldest is dropped first
+        self._spans: dict[_Key, dict[str, int]] = defaultdict(dict)
+        self._prefixes: dict[_Key, dict[str, int]] = defaultdict(dict)
+
+    def _chunks(self, tokens: Sequence[int]) -> list[tuple[int, ...]]:
+        c = self.chunk
+        return [tuple(tokens[i : i + c]) for i in range(0, len(tokens) - c + 1, c)]
+
+    @staticmethod
+    def _chained(chunks: list[tuple[int, ...]]) -> list[int]:
+        out, parent = [], 0
+        for chunk in chunks:
+            parent = hash((parent, chunk))
+            out.append(parent)
+        return out
+
+    def _post(self, index: dict[_Key, dict[str, int]], key: _Key, donor_id: str, pos: int) -> None:
+        postings = index[key]
+        postings.pop(donor_id, None)
+        postings[donor_id] = pos
+        while len(postings) > self.config.max_postings_per_chunk:
+            del postings[next(iter(postings))]
+
+    def register_donor(self, donor: DonorRecord) -> None:
+        chunks = self._chunks(donor.token_ids)
+        ns = donor.namespace
+        span_keys = [(ns, hash(c)) for c in chunks]
+        prefix_keys = [(ns, h) for h in self._chained(chunks)]
+        with self._lock:
+            self._forget(donor.donor_id)
+            self._donors[donor.donor_id] = _Donor(ns, len(donor.token_ids), span_keys, prefix_keys)
+            for i, key in enumerate(span_keys):
+                if donor.donor_id not in self._spans[key]:  # first occurrence within the donor
+                    self._post(self._spans, key, donor.donor_id, i)
+            for i, key in enumerate(prefix_keys):
+                self._post(self._prefixes, key, donor.donor_id, i)
+
+    def _forget(self, donor_id: str) -> None:
+        old = self._donors.pop(donor_id, None)
+        if old is None:
+            return
+        for index, keys in ((self._spans, old.span_keys), (self._prefixes, old.prefix_keys)):
+            for key in keys:
+                postings = index.get(key)
+                if postings is not None:
+                    postings.pop(donor_id, None)
+                    if not postings:
+                        del index[key]
+
+    def evict(self, donor_id: str) -> None:
+        with self._lock:
+            self._forget(donor_id)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._donors.clear()
+            self._spans.clear()
+            self._prefixes.clear()
+
+    def lookup(self, query: LookupQuery) -> list[Candidate]:
+        chunks = self._chunks(query.token_ids)
+        if not chunks:
+            return []
+        ns, c = query.namespace, self.chunk
+        best: dict[str, _Run] = {}
+        with self._lock:
+            # Exact prefix: the longest chained-hash hit wins for its donor.
+            for i, h in enumerate(self._chained(chunks)):
+                postings = self._prefixes.get((ns, h))
+                if not postings:
+                    break
+                for donor_id in postings:
+                    best[donor_id] = _Run(0, 0, i + 1)
+            # Shared spans at any aligned offsets: extend runs along each (donor, shift).
+            open_runs: dict[tuple[str, int], _Run] = {}
+            for i, chunk in enumerate(chunks):
+                postings = self._spans.get((ns, hash(chunk)))
+                next_runs: dict[tuple[str, int], _Run] = {}
+                for donor_id, j in (postings or {}).items():
+                    key = (donor_id, j - i)
+                    run = open_runs.get(key) or _Run(j * c, i * c, 0)
+                    run.chunks += 1
+                    next_runs[key] = run
+                    held = best.get(donor_id)
+                    if held is None or run.chunks > held.chunks:
+                        best[donor_id] = run
+                open_runs = next_runs
+            lengths = {d: self._donors[d].length for d in best}
+        total = len(query.token_ids)
+        ranked = sorted(best.items(), key=lambda kv: (-kv[1].chunks, kv[1].target_start, kv[0]))
+        return [
+            Candidate(
+                donor_id=donor_id,
+                namespace=ns,
+                similarity=min(1.0, run.chunks * c / total),
+                donor_start=run.donor_start,
+                target_start=run.target_start,
+                num_tokens=min(run.chunks * c, lengths[donor_id] - run.donor_start),
+                signals={"shared_chunks": float(run.chunks)},
+            )
+            for donor_id, run in ranked[: query.max_candidates]
+        ]
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {
+                "donors": float(len(self._donors)),
+                "span_keys": float(len(self._spans)),
+                "prefix_keys": float(len(self._prefixes)),
+            }

@@ -1,0 +1,146 @@
+"""semkv's one validated configuration.
+
+Sources, highest priority first:
+1. ``SEMKV_<KEY>`` environment variables (e.g. ``SEMKV_SEMANTIC_MODE=discovery_only``;
+   ``SEMKV_PROVIDER_CONFIG`` takes JSON);
+2. an optional YAML file, named by ``config_file`` or ``SEMKV_CONFIG_FILE``;
+3. the mapping handed in by the engine (vLLM's ``kv_connector_extra_config``);
+4. the defaults below, which never materialize anything.
+
+NOTE: every problem (unknown key, bad value, unknown ``SEMKV_*`` variable) raises
+``ConfigError`` at start-up, naming the key and the closest valid one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import ByteSize, Field, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from semkv.types import Mode
+
+ENV_PREFIX = "SEMKV_"
+# SEMKV_* variables that are not config keys (read elsewhere, documented in the operator guide).
+NON_CONFIG_ENV = frozenset(
+    {"SEMKV_CONFIG_FILE", "SEMKV_LOAD_PLUGINS", "SEMKV_LOG_LEVEL", "SEMKV_CACHE_DIR"}
+)
+
+
+class ConfigError(ValueError):
+    """A configuration problem found at start-up. The message names the offending key."""
+
+
+class SemkvConfig(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        extra="forbid",
+        frozen=True,
+        validate_default=True,
+    )
+
+    provider: str = Field(default="chunks", min_length=1, description="Provider name to use.")
+    semantic_mode: Mode = Field(default=Mode.DISCOVERY_ONLY, description="How far reuse goes.")
+    min_similarity: float = Field(default=0.9, ge=0.0, le=1.0)
+    min_reuse_tokens: int = Field(default=128, ge=1)
+    block_aligned_only: bool = True
+    lookup_timeout_ms: float = Field(default=50.0, gt=0.0, le=60_000.0)
+    max_donors: int = Field(default=10_000, ge=1)
+    donor_store_bytes: ByteSize = Field(default=ByteSize(1 << 30), ge=1 << 20)
+    async_lookup: bool = False
+    async_load: bool = False
+    provider_config: dict[str, Any] = Field(default_factory=dict)
+    config_file: Path | None = Field(default=None, description="Optional YAML file.")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        yaml_file = _yaml_path(init_settings())
+        sources: list[PydanticBaseSettingsSource] = [env_settings]
+        if yaml_file is not None:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
+        sources.append(init_settings)
+        return tuple(sources)
+
+    @classmethod
+    def load(cls, extra_config: Mapping[str, Any] | None = None) -> SemkvConfig:
+        """Build the effective config or raise ``ConfigError`` naming the problem."""
+        extra = dict(extra_config or {})
+        env = os.environ
+        _reject_unknown_env(env)
+        _reject_unknown_keys(extra, where="kv_connector_extra_config")
+        yaml_file = _yaml_path(extra) or env.get("SEMKV_CONFIG_FILE")
+        if yaml_file is not None:
+            path = Path(yaml_file)
+            if not path.is_file():
+                raise ConfigError(f"config_file: no such file {str(path)!r}")
+            extra["config_file"] = path
+            _reject_unknown_keys(_read_yaml(path), where=str(path))
+        try:
+            return cls(**extra)
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc)) from None
+
+
+def valid_keys() -> list[str]:
+    return list(SemkvConfig.model_fields)
+
+
+def _yaml_path(values: Mapping[str, Any]) -> Path | None:
+    value = values.get("config_file")
+    return Path(value) if value else None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config_file {str(path)!r}: expected a mapping of keys to values")
+    return data
+
+
+def _closest(key: str) -> str:
+    match = difflib.get_close_matches(key.lower(), valid_keys(), n=1, cutoff=0.5)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _reject_unknown_keys(values: Mapping[str, Any], *, where: str) -> None:
+    for key in values:
+        if key not in SemkvConfig.model_fields:
+            raise ConfigError(
+                f"unknown semkv config key {key!r} in {where}{_closest(str(key))}; "
+                f"valid keys: {', '.join(valid_keys())}"
+            )
+
+
+def _reject_unknown_env(environ: Mapping[str, str]) -> None:
+    for name in environ:
+        if not name.startswith(ENV_PREFIX) or name in NON_CONFIG_ENV:
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key not in SemkvConfig.model_fields:
+            raise ConfigError(f"unknown semkv environment variable {name!r}{_closest(key)}")
+
+
+def _describe(exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors():
+        key = ".".join(str(part) for part in error["loc"]) or "<config>"
+        problems.append(f"{key}: {error['msg']} (got {error.get('input')!r})")
+    return "invalid semkv config: " + "; ".join(problems)

@@ -1,0 +1,75 @@
+"""Structured logging for semkv (structlog), with a guard that keeps payloads out of logs.
+
+NOTE: semkv never logs prompt text, token ids or embeddings. ``redact_payloads`` enforces it
+for every event that goes through ``get_logger``: known payload keys are replaced by their
+size, and any long sequence or long string value is replaced by its length, whatever its key.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any
+
+import structlog
+
+PAYLOAD_KEYS = frozenset(
+    {"prompt", "text", "texts", "token_ids", "tokens", "prompt_token_ids", "embedding",
+     "embeddings", "vector", "output", "completion"}
+)
+MAX_STRING = 96  # identifiers and reasons are short; anything longer is treated as payload
+MAX_SEQUENCE = 8
+
+
+def _size(value: Any) -> str:
+    try:
+        return f"<redacted len={len(value)}>"
+    except TypeError:
+        return "<redacted>"
+
+
+def redact_payloads(
+    _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
+) -> Mapping[str, Any]:
+    for key, value in list(event_dict.items()):
+        if key == "event":
+            continue
+        if key in PAYLOAD_KEYS:
+            event_dict[key] = _size(value)
+        elif isinstance(value, str) and len(value) > MAX_STRING:
+            event_dict[key] = _size(value)
+        elif isinstance(value, (bytes, bytearray)) or (
+            isinstance(value, Sequence) and not isinstance(value, str) and len(value) > MAX_SEQUENCE
+        ):
+            event_dict[key] = _size(value)
+    return event_dict
+
+
+_configured = False
+
+
+def configure(level: str | None = None) -> None:
+    """Route semkv's structlog events through stdlib logging (so vLLM's handlers see them)."""
+    global _configured
+    logging.getLogger("semkv").setLevel(level or os.environ.get("SEMKV_LOG_LEVEL", "INFO"))
+    structlog.configure(
+        processors=[
+            structlog.stdlib.filter_by_level,
+            structlog.stdlib.add_logger_name,
+            structlog.stdlib.add_log_level,
+            redact_payloads,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.JSONRenderer(sort_keys=True),
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+    _configured = True
+
+
+def get_logger(name: str) -> Any:
+    if not _configured:
+        configure()
+    return structlog.get_logger(name)

@@ -1,0 +1,105 @@
+"""The plugin host: loads ``semkv`` entry points and resolves providers by name.
+
+``SEMKV_LOAD_PLUGINS`` (comma-separated entry-point or distribution names) restricts what
+loads; set it empty to load no external plugin at all.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import threading
+import pluggy
+
+from semkv import hookspecs
+from semkv.provider import DonorProvider
+
+GROUP = "semkv"
+_lock = threading.Lock()
+_manager: pluggy.PluginManager | None = None
+_dists: dict[str, importlib.metadata.Distribution | None] = {}
+
+
+class UnknownProviderError(LookupError):
+    """The configured provider name is not installed."""
+
+
+def _allowed(ep: importlib.metadata.EntryPoint) -> bool:
+    wanted = os.environ.get("SEMKV_LOAD_PLUGINS")
+    if wanted is None:
+        return True
+    names = {n.strip() for n in wanted.split(",") if n.strip()}
+    dist = ep.dist.name if ep.dist is not None else None
+    return ep.name in names or dist in names
+
+
+def plugin_manager() -> pluggy.PluginManager:
+    global _manager
+    with _lock:
+        if _manager is None:
+            pm = pluggy.PluginManager(GROUP)
+            pm.add_hookspecs(hookspecs)
+            for ep in importlib.metadata.entry_points(group=GROUP):
+                if _allowed(ep) and pm.get_plugin(ep.name) is None:
+                    pm.register(ep.load(), name=ep.name)
+                    _dists[ep.name] = ep.dist
+            _manager = pm
+        return _manager
+
+
+
+def providers() -> dict[str, type[DonorProvider]]:
+    """Every installed provider, by name."""
+    found: dict[str, type[DonorProvider]] = {}
+
+    def register(cls: type[DonorProvider], name: str | None = None) -> None:
+        if not (isinstance(cls, type) and issubclass(cls, DonorProvider)):
+            raise TypeError(f"{cls!r} is not a semkv DonorProvider subclass")
+        key = name or cls.name
+        if key in found and found[key] is not cls:
+            raise ValueError(f"two plugins register a provider named {key!r}")
+        found[key] = cls
+
+    plugin_manager().hook.register_providers(register=register)
+    return found
+
+
+def get_provider_class(name: str) -> type[DonorProvider]:
+    installed = providers()
+    if name not in installed:
+        listed = ", ".join(sorted(installed)) or "none"
+        raise UnknownProviderError(
+            f"semkv provider {name!r} is not installed; installed providers: {listed}"
+        )
+    return installed[name]
+
+
+def plugin_versions() -> list[dict[str, str]]:
+    """Installed providers with the plugin and distribution that brought them."""
+    pm = plugin_manager()
+    rows = []
+    for plugin_name, plugin in pm.list_name_plugin():
+        dist = _dists.get(plugin_name)
+        names: list[str] = []
+
+        def register(cls: type[DonorProvider], name: str | None = None) -> None:
+            names.append(name or cls.name)
+
+        plugin.register_providers(register=register)
+        for provider in names:
+            rows.append(
+                {
+                    "provider": provider,
+                    "plugin": plugin_name,
+                    "distribution": dist.name if dist else "",
+                    "version": dist.version if dist else "",
+                }
+            )
+    return sorted(rows, key=lambda r: r["provider"])
+
+
+def _reset_for_tests() -> None:
+    global _manager
+    with _lock:
+        _manager = None
+        _dists.clear()

@@ -1,0 +1,135 @@
+"""The donor-discovery provider protocol.
+
+Protocol (who calls what, when):
+- The host builds one provider per engine (scheduler side) with
+  ``ProviderClass(config, context)``; ``config`` is the operator's ``provider_config``
+  validated by the provider's own ``Config`` model.
+- ``register_donor`` is called once a donor's KV is stored (its tokens are final), possibly
+  from a background thread. Re-registering a donor id replaces the old entry.
+- ``lookup`` is called for a new request, possibly from a worker thread under a latency
+  budget; it returns ranked candidates, best first, at most ``query.max_candidates``.
+- ``evict`` is called when the donor store drops a donor; ``reset`` when the engine resets
+  its prefix cache; ``close`` once at shutdown.
+
+NOTE: a provider must never return a donor registered under another namespace, never return
+an evicted donor, and never raise for well-formed input. Everything it returns is verified by
+admission anyway: a provider proposes, semkv decides.
+NOTE: providers must be thread-safe: register, lookup and evict may run concurrently.
+NOTE: providers must not log token ids, text or embeddings.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from semkv.types import Candidate
+
+
+class ProviderCapabilities(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    needs_text: bool = False  # lookups and registrations want text (detokenized if absent)
+    async_capable: bool = True  # safe to call from a worker thread under a timeout
+    reports_spans: bool = False  # candidates carry exact token spans (else the verifier finds them)
+    background_indexing: bool = False  # register_donor returns before the donor is searchable
+
+
+class ProviderContext(BaseModel):
+    """What the host tells a provider about the engine it serves."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    block_size: int = Field(default=16, ge=1)
+    # Turns token ids into text for providers that need text; None where no tokenizer is at hand.
+    detokenize: Callable[[Sequence[int]], str] | None = None
+
+
+class DonorRecord(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    donor_id: str = Field(min_length=1)
+    namespace: str = Field(min_length=1)
+    token_ids: tuple[int, ...]
+    text: str | None = None
+
+    def __repr__(self) -> str:  # never print token ids or text
+        return f"DonorRecord(donor_id={self.donor_id!r}, tokens={len(self.token_ids)})"
+
+    __str__ = __repr__
+
+
+class LookupQuery(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    request_id: str
+    namespace: str = Field(min_length=1)
+    token_ids: tuple[int, ...]
+    text: str | None = None
+    local_prefix_tokens: int = Field(default=0, ge=0)
+    max_candidates: int = Field(default=5, ge=1)
+
+    def __repr__(self) -> str:
+        return f"LookupQuery(request_id={self.request_id!r}, tokens={len(self.token_ids)})"
+
+    __str__ = __repr__
+
+
+class EmptyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DonorProvider(abc.ABC):
+    """Base class of every provider. Subclasses set ``name`` and usually ``Config``."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[ProviderCapabilities] = ProviderCapabilities()
+    Config: ClassVar[type[BaseModel]] = EmptyConfig
+
+    def __init__(self, config: BaseModel, context: ProviderContext) -> None:
+        self.config = config
+        self.context = context
+
+    @classmethod
+    def from_config(
+        cls, provider_config: dict[str, Any] | None, context: ProviderContext
+    ) -> DonorProvider:
+        """Validate ``provider_config`` with ``cls.Config`` and build the provider."""
+        return cls(cls.Config.model_validate(provider_config or {}), context)
+
+    @abc.abstractmethod
+    def register_donor(self, donor: DonorRecord) -> None:
+        """Make ``donor`` discoverable (now, or soon for background indexing)."""
+
+    @abc.abstractmethod
+    def lookup(self, query: LookupQuery) -> list[Candidate]:
+        """Ranked candidates for ``query``, best first, same namespace only."""
+
+    @abc.abstractmethod
+    def evict(self, donor_id: str) -> None:
+        """Forget ``donor_id``; a no-op for unknown ids."""
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Forget every donor."""
+
+    def flush(self) -> None:  # noqa: B027 - optional hook
+        """Block until background indexing has caught up (tests and benchmarks call it)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release threads and memory. Idempotent."""
+
+    def stats(self) -> dict[str, float]:
+        """Provider-specific counters (numbers only: never text or token ids)."""
+        return {}
+
+    def text_of(self, token_ids: Sequence[int], text: str | None) -> str:
+        """The text of a donor or query: as carried, else detokenized through the context."""
+        if text is not None:
+            return text
+        if self.context.detokenize is None:
+            raise ValueError(f"provider {self.name!r} needs text but no detokenizer was given")
+        return self.context.detokenize(token_ids)
