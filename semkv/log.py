@@ -52,7 +52,12 @@ _configured = False
 def configure(level: str | None = None) -> None:
     """Route semkv's structlog events through stdlib logging (so vLLM's handlers see them)."""
     global _configured
-    logging.getLogger("semkv").setLevel(level or os.environ.get("SEMKV_LOG_LEVEL", "INFO"))
+    root = logging.getLogger("semkv")
+    root.setLevel(level or os.environ.get("SEMKV_LOG_LEVEL", "INFO"))
+    if not root.handlers:  # engines configure their own loggers only; give semkv's a home
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+        root.addHandler(handler)
     structlog.configure(
         processors=[
             structlog.stdlib.filter_by_level,

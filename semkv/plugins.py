@@ -12,12 +12,15 @@ import threading
 import pluggy
 
 from semkv import hookspecs
+from semkv.log import get_logger
 from semkv.provider import DonorProvider
 
 GROUP = "semkv"
 _lock = threading.Lock()
 _manager: pluggy.PluginManager | None = None
 _dists: dict[str, importlib.metadata.Distribution | None] = {}
+_broken: dict[str, str] = {}  # entry-point name -> why it could not be loaded
+log = get_logger("semkv.plugins")
 
 
 class UnknownProviderError(LookupError):
@@ -40,9 +43,16 @@ def plugin_manager() -> pluggy.PluginManager:
             pm = pluggy.PluginManager(GROUP)
             pm.add_hookspecs(hookspecs)
             for ep in importlib.metadata.entry_points(group=GROUP):
-                if _allowed(ep) and pm.get_plugin(ep.name) is None:
-                    pm.register(ep.load(), name=ep.name)
-                    _dists[ep.name] = ep.dist
+                if not _allowed(ep) or pm.get_plugin(ep.name) is not None:
+                    continue
+                try:
+                    module = ep.load()
+                except Exception as exc:  # noqa: BLE001 - one broken plugin must not hide the rest
+                    _broken[ep.name] = f"{type(exc).__name__}: {exc}"
+                    log.warning("plugin_failed_to_load", plugin=ep.name, error=_broken[ep.name])
+                    continue
+                pm.register(module, name=ep.name)
+                _dists[ep.name] = ep.dist
             _manager = pm
         return _manager
 
@@ -68,8 +78,9 @@ def get_provider_class(name: str) -> type[DonorProvider]:
     installed = providers()
     if name not in installed:
         listed = ", ".join(sorted(installed)) or "none"
+        broken = "".join(f"; plugin {p!r} failed to load ({why})" for p, why in _broken.items())
         raise UnknownProviderError(
-            f"semkv provider {name!r} is not installed; installed providers: {listed}"
+            f"semkv provider {name!r} is not installed; installed providers: {listed}{broken}"
         )
     return installed[name]
 
@@ -103,3 +114,4 @@ def _reset_for_tests() -> None:
     with _lock:
         _manager = None
         _dists.clear()
+        _broken.clear()

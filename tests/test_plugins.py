@@ -93,3 +93,15 @@ def test_register_rejects_non_providers():
             plugins.providers()
     finally:
         plugins._reset_for_tests()
+
+
+def test_a_broken_plugin_does_not_hide_the_others(tmp_path):
+    info = tmp_path / "semkv_broken-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: semkv-broken\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[semkv]\nbroken = no_such_module_anywhere\n")
+    out = _run(LIST, tmp_path)
+    assert "chunks" in json.loads(out.stdout.strip().splitlines()[-1])
+    code = "from semkv.plugins import get_provider_class; get_provider_class('broken')"
+    out = _run(code, tmp_path)
+    assert "'broken' failed to load" in out.stderr and "ModuleNotFoundError" in out.stderr

@@ -1,0 +1,219 @@
+"""``SemanticKVConnector``: semkv behind vLLM's KVConnector V1 API.
+
+Operators select it with::
+
+    --kv-transfer-config '{"kv_connector": "SemanticKVConnector",
+        "kv_connector_module_path": "semkv_vllm.connector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"provider": "chunks", "semantic_mode": "materialize_exact"}}'
+
+One instance runs in the scheduler process (role SCHEDULER: discovery, admission, plans) and
+one in every worker (role WORKER: block copies). See ``scheduler.py`` and ``worker.py`` for the
+per-step protocol of each side.
+
+NOTE: configuration problems (unknown key, bad value, provider not installed, bad provider
+config) raise at engine start-up, naming the problem; nothing starts half-configured.
+NOTE: the connector is a best-effort cache: ``requires_kv_delivery`` is False, and every
+failure at request time ends in normal prefill.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from semkv.config import SemkvConfig
+from semkv.log import get_logger
+from semkv.lookup import GuardedProvider
+from semkv.provider import ProviderContext
+from semkv.types import Mode
+from semkv_vllm.namespace import namespace_from_vllm_config
+from semkv_vllm.scheduler import SchedulerSide, make_detokenizer
+from semkv_vllm.stats import SemkvConnectorStats, SemkvPromMetrics
+from semkv_vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = get_logger("semkv.vllm.connector")
+
+
+def store_geometry(config: SemkvConfig, kv_cache_config: KVCacheConfig) -> tuple[int, int]:
+    """(slots, bytes per slot): one slot holds one block of every layer."""
+    per_slot = sum(
+        group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+        for group in kv_cache_config.kv_cache_groups
+    )
+    slots = int(config.donor_store_bytes) // max(per_slot, 1)
+    if config.semantic_mode in (Mode.MATERIALIZE_EXACT, Mode.MATERIALIZE_SEMANTIC) and slots < 1:
+        raise ValueError(
+            f"donor_store_bytes={int(config.donor_store_bytes)} holds no block "
+            f"(one block of every layer takes {per_slot} bytes)"
+        )
+    return max(slots, 1), per_slot
+
+
+def _build_provider(config: SemkvConfig, vllm_config: VllmConfig, block_size: int) -> GuardedProvider:
+    from semkv.plugins import get_provider_class
+
+    cls = get_provider_class(config.provider)
+    mc = vllm_config.model_config
+    context = ProviderContext(
+        block_size=block_size,
+        detokenize=make_detokenizer(mc.tokenizer, mc.tokenizer_revision, mc.trust_remote_code),
+    )
+    provider = cls.from_config(config.provider_config, context)
+    return GuardedProvider(provider, timeout_s=config.lookup_timeout_ms / 1e3)
+
+
+class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.config = SemkvConfig.load(extra)
+        slots, per_slot = store_geometry(self.config, kv_cache_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            block_size = vllm_config.cache_config.block_size
+            provider = (None if self.config.semantic_mode is Mode.DISABLED
+                        else _build_provider(self.config, vllm_config, block_size))
+            self._scheduler = SchedulerSide(
+                self.config, block_size=block_size,
+                namespace=namespace_from_vllm_config(vllm_config), num_slots=slots,
+                bytes_per_slot=per_slot,
+                single_group=len(kv_cache_config.kv_cache_groups) == 1, provider=provider)
+            log.info("semkv_connector_ready", mode=str(self.config.semantic_mode),
+                     provider=self.config.provider, slots=slots, bytes_per_slot=per_slot)
+        else:
+            self._worker = WorkerSide(slots, layerwise=self.config.layerwise_load)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # -- worker side -----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        if self.config.semantic_mode in (Mode.MATERIALIZE_EXACT, Mode.MATERIALIZE_SEMANTIC):
+            self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.clear()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None  # saves run after the forward in wait_for_save (whole blocks only)
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return None, self._worker.take_finished_recving() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_invalid_blocks() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.take_worker_meta() if self._worker is not None else None
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        return None  # saves complete within their step; nothing is in flight to cancel
+
+    def get_kv_connector_stats(self) -> SemkvConnectorStats | None:
+        side = self._scheduler or self._worker
+        if side is None:
+            return None
+        bag = side.take_stats() if isinstance(side, SchedulerSide) else side.stats.take()
+        return None if bag.is_empty() else SemkvConnectorStats(data=bag.to_dict())
+
+    # -- scheduler side --------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler.kv_cache_manager = kv_cache_manager
+
+    def on_new_request(self, request: Request) -> None:
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return False, self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
+    def reset_cache(self) -> bool | None:
+        if self._scheduler is not None:
+            self._scheduler.reset()
+        return True
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # -- metrics ---------------------------------------------------------------------------
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> SemkvConnectorStats:
+        return SemkvConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> SemkvPromMetrics:
+        return SemkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

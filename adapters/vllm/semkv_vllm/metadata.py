@@ -1,0 +1,58 @@
+"""What the scheduler-side connector tells the workers each step, and what they answer.
+
+NOTE: everything here is plain data (ints and strings) so it pickles cheaply across vLLM's
+process boundary; no token ids travel, only block and slot numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass
+class LoadOp:
+    """Copy donor-store slots into a request's engine blocks (whole blocks, every layer)."""
+
+    request_id: str
+    slots: list[int]
+    generations: list[int]
+    block_ids: list[int]
+    asynchronous: bool = False
+
+
+@dataclass
+class SaveOp:
+    """Copy engine blocks into donor-store slots after this step's forward."""
+
+    slots: list[int]
+    generations: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class SemkvMetadata(KVConnectorMetadata):
+    loads: list[LoadOp] = field(default_factory=list)
+    saves: list[SaveOp] = field(default_factory=list)
+
+
+@dataclass
+class SemkvWorkerMetadata(KVConnectorWorkerMetadata):
+    """Per step: blocks each request actually got, and the requests whose load failed."""
+
+    loaded_blocks: dict[str, int] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, SemkvWorkerMetadata)
+        # Tensor-parallel ranks each load their shard: a request is loaded as far as every
+        # rank loaded it.
+        merged = {
+            rid: min(self.loaded_blocks.get(rid, 0), other.loaded_blocks.get(rid, 0))
+            for rid in self.loaded_blocks.keys() | other.loaded_blocks.keys()
+        }
+        return SemkvWorkerMetadata(merged, self.failed | other.failed)

@@ -1,0 +1,424 @@
+"""Scheduler side of the connector: discovery, admission, load plans, donor capture.
+
+Protocol, per vLLM scheduler step:
+- ``on_new_request``: register the request (cheap); with ``async_lookup`` start its lookup.
+- ``get_num_new_matched_tokens`` (request has no computed tokens): decide once per
+  (request, local prefix, preemption count) and answer the same on repeated calls. A hit holds
+  a donor lease and pins the store slots it will read, before any token is reported.
+- ``update_state_after_alloc``: turn the hit into a ``LoadOp`` on the request's new blocks.
+- ``build_connector_meta``: hand this step's loads to the workers, plus saves of every prompt
+  block that becomes complete during this step; register a donor once its prompt is saved.
+- ``update_connector_output``: learn from the workers how many blocks really arrived.
+- ``request_finished``: provenance, stats, lease release; returns a summary in
+  ``kv_transfer_params["semkv"]``.
+
+NOTE: a provider exception, timeout or malformed answer ends in (0, False): normal prefill.
+NOTE: in ``discovery_only`` nothing is saved or loaded; donors are registered by tokens only,
+so the stats can say what each tier would have reused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from semkv.admission import Admission, Assessment, DonorView
+from semkv.config import SemkvConfig
+from semkv.gates import full_prompt_cap
+from semkv.leases import LeaseTable
+from semkv.log import get_logger
+from semkv.lookup import GuardedProvider, LookupResult
+from semkv.metrics import CounterBag
+from semkv.namespace import Namespace
+from semkv.provider import DonorRecord, LookupQuery
+from semkv.types import FallbackReason, Mode, Provenance, QualityTier, SemanticKVMatch
+from semkv_vllm.metadata import LoadOp, SaveOp, SemkvMetadata, SemkvWorkerMetadata
+from semkv_vllm.store_index import StoreIndex, block_keys
+
+log = get_logger("semkv.vllm.scheduler")
+MAX_CANDIDATES = 5
+
+
+@dataclass
+class _Donor:
+    donor_id: str
+    namespace: str
+    token_ids: tuple[int, ...]
+    keys: list[bytes]
+
+
+@dataclass
+class _Req:
+    request: Any
+    namespace: Namespace
+    keys: list[bytes] | None = None
+    decision: SemanticKVMatch | None = None
+    assessment: Assessment | None = None
+    decided_for: tuple[int, int] | None = None  # (local prefix, preemptions)
+    answer: tuple[int | None, bool] = (0, False)
+    pinned: list[int] = field(default_factory=list)
+    generations: list[int] = field(default_factory=list)
+    planned: bool = False
+    loaded_tokens: int = 0
+    load_failed: bool = False
+    saved_blocks: int = 0
+    may_save: bool = True
+    registered: bool = False
+    lookup_started: bool = False
+
+
+class SchedulerSide:
+    def __init__(self, config: SemkvConfig, *, block_size: int, namespace: Namespace,
+                 num_slots: int, bytes_per_slot: int, single_group: bool,
+                 provider: GuardedProvider | None) -> None:
+        self.config = config
+        self.bs = block_size
+        self.namespace = namespace
+        self.bytes_per_slot = bytes_per_slot
+        self.single_group = single_group
+        self.provider = provider
+        self.materialize = config.semantic_mode in (Mode.MATERIALIZE_EXACT, Mode.MATERIALIZE_SEMANTIC)
+        self.index = StoreIndex(num_slots)
+        self.leases = LeaseTable()
+        self.admission = Admission(config, block_size)
+        self.donors: OrderedDict[str, _Donor] = OrderedDict()
+        self.donor_by_tail: dict[bytes, str] = {}
+        self.requests: dict[str, _Req] = {}
+        self.pending_loads: list[LoadOp] = []
+        self.stats = CounterBag()
+        self.kv_cache_manager: Any = None
+        self._ids = itertools.count(1)
+
+    # -- request registration ----------------------------------------------------------------
+    def _state(self, request: Any) -> _Req:
+        st = self.requests.get(request.request_id)
+        if st is None:
+            from semkv_vllm.namespace import request_lora_identity
+
+            ns = self.namespace.for_request(
+                lora_identity=request_lora_identity(request.lora_request),
+                cache_salt=request.cache_salt,
+            )
+            st = self.requests[request.request_id] = _Req(request, ns)
+            st.may_save = self._supported(request)
+        return st
+
+    @staticmethod
+    def _supported(request: Any) -> bool:
+        # KV is a function of token ids only when the prompt has no embeddings or media.
+        return request.prompt_embeds is None and not request.mm_features
+
+    def on_new_request(self, request: Any) -> None:
+        st = self._state(request)
+        if self.provider is not None and self.config.async_lookup and self._supported(request):
+            st.lookup_started = self.provider.submit(self._query(st, 0))
+            if not st.lookup_started:
+                st.decision = SemanticKVMatch.fallback(request.request_id,
+                                                       FallbackReason.PROVIDER_TIMEOUT)
+                st.decided_for = (0, request.num_preemptions)
+
+    def _query(self, st: _Req, local: int) -> LookupQuery:
+        params = st.request.kv_transfer_params or {}
+        text = params.get("semkv_text") if isinstance(params, dict) else None
+        return LookupQuery(request_id=st.request.request_id, namespace=st.namespace.digest,
+                           token_ids=tuple(st.request.all_token_ids),
+                           text=text if isinstance(text, str) else None,
+                           local_prefix_tokens=local, max_candidates=MAX_CANDIDATES)
+
+    # -- decisions -------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, local: int) -> tuple[int | None, bool]:
+        if self.provider is None:
+            return 0, False
+        st = self._state(request)
+        key = (local, request.num_preemptions)
+        if st.decided_for == key and st.decision is not None:
+            return st.answer
+        if st.decided_for is not None and st.decided_for[1] != key[1]:
+            self._release(st)  # resumed after preemption: decide afresh
+            st.lookup_started = False
+        started = time.perf_counter()
+        decision = self._decide(st, local)
+        if decision is None:
+            return None, False  # async lookup still running within its budget
+        st.decision, st.decided_for = decision, key
+        self.stats.inc("lookups")
+        self.stats.observe("lookup_seconds", time.perf_counter() - started)
+        if decision.is_hit:
+            st.answer = (decision.external_prefix_tokens, self.config.async_load)
+        else:
+            st.answer = (0, False)
+        return st.answer
+
+    def _decide(self, st: _Req, local: int) -> SemanticKVMatch | None:
+        rid = st.request.request_id
+        tokens = st.request.all_token_ids
+        if full_prompt_cap(len(tokens), local, len(tokens), self.bs,
+                           synchronous=not self.config.async_load) == 0:
+            return SemanticKVMatch.fallback(rid, FallbackReason.EXACT_PREFIX_SUFFICIENT,
+                                            local_prefix_tokens=local)
+        if not (self.single_group and self._supported(st.request)):
+            return SemanticKVMatch.fallback(rid, FallbackReason.UNSUPPORTED_REQUEST)
+        if not st.namespace.is_complete:
+            return SemanticKVMatch.fallback(rid, FallbackReason.NAMESPACE_MISMATCH)
+        result = self._lookup(st, local)
+        if result is None:
+            return None
+        if result.reason is not None:
+            return SemanticKVMatch.fallback(rid, result.reason, local_prefix_tokens=local)
+        match, st.assessment = self.admission.decide(
+            rid, tokens, local, result.candidates, self._donor_view, self.leases.acquire,
+            st.namespace, synchronous=not self.config.async_load)
+        if match.is_hit and not self._pin(st, match):
+            self.leases.release(match.donor_lease_id or "")
+            return SemanticKVMatch.fallback(rid, FallbackReason.DONOR_STALE, local_prefix_tokens=local)
+        return match
+
+    def _lookup(self, st: _Req, local: int) -> LookupResult | None:
+        assert self.provider is not None
+        if not self.config.async_lookup:
+            return self.provider.lookup_now(self._query(st, local))
+        if not st.lookup_started:
+            st.lookup_started = self.provider.submit(self._query(st, local))
+            if not st.lookup_started:
+                return LookupResult(reason=FallbackReason.PROVIDER_TIMEOUT)
+        return self.provider.poll(st.request.request_id)
+
+    def _donor_view(self, donor_id: str) -> DonorView | None:
+        donor = self.donors.get(donor_id)
+        if donor is None:
+            return None
+        self.donors.move_to_end(donor_id)
+        stored = (self.index.stored_prefix(donor.keys) if self.materialize
+                  else len(donor.keys)) * self.bs
+        return DonorView(donor_id, donor.namespace, donor.token_ids, stored)
+
+    def _pin(self, st: _Req, match: SemanticKVMatch) -> bool:
+        if not self.materialize:
+            return True
+        donor = self.donors[match.donor_id or ""]
+        first = match.local_prefix_tokens // self.bs
+        found = [self.index.get(k) for k in donor.keys[first : first + match.external_prefix_tokens // self.bs]]
+        if any(f is None for f in found):
+            return False
+        st.pinned = [f[0] for f in found if f]
+        st.generations = [f[1] for f in found if f]
+        self.index.pin(st.pinned)
+        return True
+
+    def _release(self, st: _Req) -> None:
+        if st.decision is not None and st.decision.donor_lease_id:
+            self.leases.release(st.decision.donor_lease_id)
+        if st.pinned:
+            self.index.unpin(st.pinned)
+        st.pinned, st.generations, st.planned = [], [], False
+        st.decision, st.decided_for, st.answer = None, None, (0, False)
+
+    # -- allocation and metadata -------------------------------------------------------------
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+        st = self.requests.get(request.request_id)
+        if st is None or st.decision is None or not st.decision.is_hit or st.planned:
+            return
+        if num_external != st.decision.external_prefix_tokens or not self.materialize:
+            # The engine did not take our span (e.g. its local partial block won): no load.
+            local = st.decision.local_prefix_tokens
+            self._release(st)
+            st.decision = SemanticKVMatch.fallback(
+                request.request_id, FallbackReason.EXACT_PREFIX_SUFFICIENT, local_prefix_tokens=local)
+            st.decided_for = (local, request.num_preemptions)
+            return
+        block_ids = blocks.get_block_ids()[0]
+        first = st.decision.local_prefix_tokens // self.bs
+        targets = list(block_ids[first : first + len(st.pinned)])
+        self.pending_loads.append(LoadOp(request.request_id, list(st.pinned), list(st.generations),
+                                         targets, asynchronous=self.config.async_load))
+        st.planned = True
+
+    def build_connector_meta(self, scheduler_output: Any) -> SemkvMetadata:
+        meta = SemkvMetadata(loads=self.pending_loads)
+        self.pending_loads = []
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            st = self.requests.get(rid)
+            if st is not None:
+                self._release(st)
+        if self.provider is not None:
+            for rid, scheduled in scheduler_output.num_scheduled_tokens.items():
+                st = self.requests.get(rid)
+                if st is not None and st.may_save and not st.registered:
+                    self._capture(st, st.request.num_computed_tokens + scheduled, meta)
+        self.index.evicted_keys.clear()
+        return meta
+
+    def _capture(self, st: _Req, computed_after: int, meta: SemkvMetadata) -> None:
+        request = st.request
+        prompt = request.num_prompt_tokens
+        total_blocks = prompt // self.bs
+        if total_blocks * self.bs < self.config.min_reuse_tokens:
+            st.may_save = False  # too short to ever be worth reusing
+            return
+        done = min(computed_after, prompt) // self.bs
+        if done <= st.saved_blocks:
+            return
+        if st.keys is None:
+            st.keys = block_keys(st.namespace.digest, request.prompt_token_ids, self.bs)
+        if self.materialize:
+            if self.kv_cache_manager is None:
+                return
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]
+            op = SaveOp([], [], [])
+            for i in range(st.saved_blocks, done):
+                got = self.index.reserve(st.keys[i])
+                if got is None:
+                    if self.index.get(st.keys[i]) is None:  # every slot pinned: stop here
+                        st.may_save = False
+                        break
+                    continue
+                op.slots.append(got[0])
+                op.generations.append(got[1])
+                op.block_ids.append(block_ids[i])
+            if op.slots:
+                meta.saves.append(op)
+        st.saved_blocks = done
+        if done == total_blocks and st.may_save:
+            self._register(st)
+
+    def _register(self, st: _Req) -> None:
+        assert st.keys is not None and self.provider is not None
+        st.registered = True
+        tail = st.keys[-1]
+        if tail in self.donor_by_tail and self.donor_by_tail[tail] in self.donors:
+            self.donors.move_to_end(self.donor_by_tail[tail])
+            return
+        donor_id = f"d{next(self._ids)}"
+        tokens = tuple(st.request.prompt_token_ids[: len(st.keys) * self.bs])
+        self.donors[donor_id] = _Donor(donor_id, st.namespace.digest, tokens, st.keys)
+        self.donor_by_tail[tail] = donor_id
+        self.leases.publish(donor_id)
+        self.provider.register(DonorRecord(donor_id=donor_id, namespace=st.namespace.digest,
+                                           token_ids=tokens))
+        self.stats.inc("donors_registered")
+        self._trim_donors()
+
+    def _trim_donors(self) -> None:
+        for donor_id in list(self.donors):
+            if len(self.donors) <= self.config.max_donors:
+                break
+            if self.leases.try_retire(donor_id):
+                self._drop_donor(donor_id)
+
+    def _drop_donor(self, donor_id: str) -> None:
+        donor = self.donors.pop(donor_id)
+        if self.donor_by_tail.get(donor.keys[-1]) == donor_id:
+            del self.donor_by_tail[donor.keys[-1]]
+        assert self.provider is not None
+        self.provider.evict(donor_id)
+        self.stats.inc("donors_evicted")
+
+    # -- worker feedback and finish ----------------------------------------------------------
+    def update_connector_output(self, worker_meta: Any) -> None:
+        if not isinstance(worker_meta, SemkvWorkerMetadata):
+            return
+        # NOTE: vLLM frees requests that stop in this step before it hands us the step's worker
+        # output, so the counter counts confirmations whether or not the request is still here.
+        for rid, blocks in worker_meta.loaded_blocks.items():
+            self.stats.inc("loaded_tokens", amount=blocks * self.bs)
+            st = self.requests.get(rid)
+            if st is not None:
+                st.loaded_tokens = blocks * self.bs
+        for rid in worker_meta.failed:
+            st = self.requests.get(rid)
+            if st is not None:
+                st.load_failed = True
+
+    def request_finished(self, request: Any) -> dict[str, Any] | None:
+        st = self.requests.pop(request.request_id, None)
+        if st is None:
+            return None
+        summary = self._account(st)
+        self._release(st)
+        if self.provider is not None:
+            self.provider.forget(request.request_id)
+        return {"semkv": summary}
+
+    def _account(self, st: _Req) -> dict[str, Any]:
+        d = st.decision
+        local = d.local_prefix_tokens if d is not None else 0
+        if d is not None and d.is_hit and st.planned and not st.load_failed:
+            tier = d.quality_tier or QualityTier.EXACT
+            outcome = (Provenance.EXACT_EXTERNAL_KV_HIT if tier is QualityTier.EXACT
+                       else Provenance.REQUEST_ONLY_SEMANTIC_REUSE)
+            self.stats.inc("hits", tier)
+            self.stats.inc("external_tokens", tier, d.external_prefix_tokens)
+            reason = None
+        else:
+            reason = (FallbackReason.LOAD_FAILED if st.load_failed
+                      else d.fallback_reason if d is not None and d.fallback_reason
+                      else FallbackReason.PROVIDER_MISS if d is not None
+                      else FallbackReason.PROVIDER_DISABLED)
+            tier = None
+            a = st.assessment
+            if a is not None and a.external_tokens > 0:
+                self.stats.inc("would_reuse_tokens", a.tier, a.external_tokens)
+            if a is not None and a.tier is not QualityTier.EXACT:
+                outcome = Provenance.SEMANTIC_CANDIDATE_REJECTED
+            elif local > 0:
+                outcome = Provenance.EXACT_LOCAL_PREFIX_HIT
+            else:
+                outcome = Provenance.FALLBACK_RECOMPUTE
+            self.stats.inc("fallbacks", reason)
+        self.stats.inc("provenance", outcome)
+        return {
+            "provenance": str(outcome),
+            "tier": str(tier) if tier else None,
+            "fallback_reason": str(reason) if reason else None,
+            "local_prefix_tokens": local,
+            "external_tokens": d.external_prefix_tokens if d is not None else 0,
+            # 0 when the request stopped in the very step of its load (see update_connector_output)
+            "confirmed_loaded_tokens": st.loaded_tokens,
+            "donor_id": d.donor_id if d is not None else None,
+        }
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def reset(self) -> None:
+        for st in self.requests.values():
+            self._release(st)
+            st.saved_blocks, st.registered, st.may_save = 0, False, self._supported(st.request)
+        self.leases.release_all()
+        self.pending_loads = []
+        self.index.clear()
+        self.index.evicted_keys.clear()
+        self.donors.clear()
+        self.donor_by_tail.clear()
+        if self.provider is not None:
+            self.provider.reset()
+
+    def shutdown(self) -> None:
+        self.reset()
+        if self.provider is not None:
+            self.provider.close()
+
+    def take_stats(self) -> CounterBag:
+        self.stats.set("donor_store_bytes", len(self.index) * self.bytes_per_slot)
+        self.stats.set("donors", len(self.donors))
+        self.stats.set("live_leases", self.leases.live_count())
+        return self.stats.take()
+
+
+def make_detokenizer(tokenizer_path: str, revision: str | None,
+                     trust_remote_code: bool) -> Callable[[Sequence[int]], str]:
+    """Lazy detokenizer for providers that need text (loaded on first use)."""
+    tokenizer: Any = None
+
+    def detokenize(token_ids: Sequence[int]) -> str:
+        nonlocal tokenizer
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(
+                tokenizer_path, revision=revision, trust_remote_code=trust_remote_code)
+        return str(tokenizer.decode(list(token_ids), skip_special_tokens=False))
+
+    return detokenize

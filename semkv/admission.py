@@ -1,0 +1,162 @@
+"""Admission: turn a provider's candidates into one typed decision for one request.
+
+Protocol: an engine adapter calls ``Admission.decide`` with the target's tokens, its local exact
+prefix (whole blocks), the provider's candidates and a way to see each donor (``DonorView``)
+and to lease it. Admission re-verifies every candidate against real tokens, classifies its
+tier, applies the gates in a fixed order, and returns a ``SemanticKVMatch`` that is either a hit
+(holding a fresh lease) or a fallback naming the first gate that stopped the best candidate.
+
+NOTE: admission never trusts a provider's span or similarity for the exact tier: the tier is
+decided by comparing token ids, here.
+NOTE: the lease is acquired last, only for the winning candidate, so a rejected request holds
+nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from semkv.config import SemkvConfig
+from semkv.gates import full_prompt_cap, reuse_tokens_gate, tier_gate
+from semkv.leases import Lease, UnknownDonorError
+from semkv.namespace import Namespace, namespace_gate
+from semkv.types import (
+    CachePolicy,
+    Candidate,
+    FallbackReason,
+    Materialization,
+    Mode,
+    QualityTier,
+    SemanticKVMatch,
+)
+
+
+@dataclass(frozen=True)
+class DonorView:
+    """What admission may know of a donor: its namespace, tokens and how much KV is stored."""
+
+    donor_id: str
+    namespace: str
+    token_ids: Sequence[int]
+    stored_tokens: int  # leading tokens whose KV can be materialized right now
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the identical leading run of ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    # Compare in slices first: most prefixes are either long and equal or diverge early.
+    lo = 0
+    step = 256
+    while lo + step <= n and a[lo : lo + step] == b[lo : lo + step]:
+        lo += step
+    while lo < n and a[lo] == b[lo]:
+        lo += 1
+    return lo
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """One candidate, verified: what tier it is and how many external tokens it could serve."""
+
+    candidate: Candidate
+    tier: QualityTier
+    external_tokens: int
+    reason: FallbackReason | None
+
+
+class Admission:
+    def __init__(self, config: SemkvConfig, block_size: int) -> None:
+        self.config = config
+        self.block_size = block_size
+
+    def assess(
+        self,
+        target: Sequence[int],
+        local_prefix_tokens: int,
+        candidate: Candidate,
+        donor: DonorView | None,
+        namespace: Namespace,
+        *,
+        synchronous: bool,
+    ) -> Assessment:
+        """Verify one candidate; ``reason`` is None when every gate passes for this mode."""
+        bs = self.block_size
+        if donor is None:
+            return Assessment(candidate, QualityTier.SEMANTIC, 0, FallbackReason.DONOR_STALE)
+        if namespace_gate(namespace, donor.namespace) or candidate.namespace != donor.namespace:
+            return Assessment(candidate, QualityTier.SEMANTIC, 0, FallbackReason.NAMESPACE_MISMATCH)
+        # Exact tier: identical tokens from position 0, in whole stored blocks.
+        same = common_prefix(target, donor.token_ids, donor.stored_tokens)
+        exact_end = same - same % bs
+        external = exact_end - local_prefix_tokens
+        if external <= 0:
+            reason = (
+                FallbackReason.EXACT_PREFIX_SUFFICIENT
+                if local_prefix_tokens > 0
+                else FallbackReason.NOT_PREFIX_ANCHORED
+            )
+            return Assessment(candidate, QualityTier.EXACT, 0, reason)
+        allowed = full_prompt_cap(len(target), local_prefix_tokens, external, bs,
+                                  synchronous=synchronous)
+        reason = reuse_tokens_gate(allowed, self.config.min_reuse_tokens)
+        if reason is None:
+            reason = tier_gate(self.config.semantic_mode, QualityTier.EXACT)
+        return Assessment(candidate, QualityTier.EXACT, allowed, reason)
+
+    def decide(
+        self,
+        request_id: str,
+        target: Sequence[int],
+        local_prefix_tokens: int,
+        candidates: Sequence[Candidate],
+        donors: Callable[[str], DonorView | None],
+        acquire: Callable[[str], Lease],
+        namespace: Namespace,
+        *,
+        synchronous: bool = True,
+    ) -> tuple[SemanticKVMatch, Assessment | None]:
+        """The decision, and the best assessment (also for discovery-only accounting)."""
+        mode = self.config.semantic_mode
+        if mode is Mode.DISABLED:
+            return SemanticKVMatch.fallback(request_id, FallbackReason.PROVIDER_DISABLED), None
+        if not namespace.is_complete:
+            return self._fallback(request_id, FallbackReason.NAMESPACE_MISMATCH, local_prefix_tokens), None
+        if not candidates:
+            return self._fallback(request_id, FallbackReason.PROVIDER_MISS, local_prefix_tokens), None
+        assessed = [
+            self.assess(target, local_prefix_tokens, c, donors(c.donor_id), namespace,
+                        synchronous=synchronous)
+            for c in candidates
+        ]
+        best = max(assessed, key=lambda a: (a.reason is None, a.external_tokens))
+        if best.reason is not None:
+            return self._fallback(request_id, best.reason, local_prefix_tokens,
+                                  would_reuse_tokens=best.external_tokens,
+                                  tier=str(best.tier)), best
+        try:
+            lease = acquire(best.candidate.donor_id)
+        except UnknownDonorError:
+            return self._fallback(request_id, FallbackReason.DONOR_STALE, local_prefix_tokens), best
+        match = SemanticKVMatch(
+            request_id=request_id,
+            donor_id=best.candidate.donor_id,
+            donor_lease_id=lease.lease_id,
+            similarity=1.0 if best.tier is QualityTier.EXACT else best.candidate.similarity,
+            local_prefix_tokens=local_prefix_tokens,
+            external_prefix_tokens=best.external_tokens,
+            donor_prefix_tokens=local_prefix_tokens + best.external_tokens,
+            donor_offset_tokens=0,
+            materialization=Materialization.SYNC if synchronous else Materialization.ASYNC,
+            quality_tier=best.tier,
+            cache_policy=(
+                CachePolicy.EXACT_COMMIT if best.tier is QualityTier.EXACT else CachePolicy.REQUEST_ONLY
+            ),
+        )
+        return match, best
+
+    @staticmethod
+    def _fallback(
+        request_id: str, reason: FallbackReason, local: int, **metadata: object
+    ) -> SemanticKVMatch:
+        return SemanticKVMatch.fallback(request_id, reason, local_prefix_tokens=local, **metadata)

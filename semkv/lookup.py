@@ -1,0 +1,169 @@
+"""Provider calls under a latency budget, off the caller's thread.
+
+``GuardedProvider`` wraps any provider so that a lookup can never fail or stall a request:
+- ``lookup_now`` waits at most the budget; timeout and exceptions become a typed fallback;
+- ``submit`` starts a lookup in the background (async discovery); ``poll`` says whether it is
+  done, and turns a lookup older than the budget into a timeout;
+- at most ``max_in_flight`` lookups run at once: a hung provider makes later lookups fail fast
+  as timeouts instead of piling up threads.
+- ``register`` / ``evict`` run on a separate single background thread, in order, and their
+  exceptions are counted, never raised.
+
+NOTE: candidates that fail validation (bad spans, NaN similarity, wrong namespace) are dropped
+and counted as provider errors; the caller only ever sees well-formed candidates.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+from semkv.log import get_logger
+from semkv.provider import DonorProvider, DonorRecord, LookupQuery
+from semkv.types import Candidate, FallbackReason
+
+log = get_logger("semkv.lookup")
+
+
+@dataclass
+class LookupResult:
+    candidates: list[Candidate] = field(default_factory=list)
+    reason: FallbackReason | None = None  # provider_timeout / provider_error / None
+    seconds: float = 0.0
+
+
+@dataclass
+class _Pending:
+    future: Future[list[Candidate]]
+    started: float
+
+
+class GuardedProvider:
+    def __init__(
+        self, provider: DonorProvider, *, timeout_s: float, max_in_flight: int = 4
+    ) -> None:
+        self.provider = provider
+        self.timeout_s = timeout_s
+        self._slots = threading.BoundedSemaphore(max_in_flight)
+        self._lookups = ThreadPoolExecutor(max_in_flight, thread_name_prefix="semkv-lookup")
+        self._writes = ThreadPoolExecutor(1, thread_name_prefix="semkv-index")
+        self._pending: dict[str, _Pending] = {}
+        self._lock = threading.Lock()
+        self.counters: Counter[str] = Counter()
+
+    # -- lookups ---------------------------------------------------------------------------
+    def _run(self, query: LookupQuery) -> list[Candidate]:
+        try:
+            return self._validated(query, self.provider.lookup(query))
+        finally:
+            self._slots.release()
+
+    def _validated(self, query: LookupQuery, raw: object) -> list[Candidate]:
+        if not isinstance(raw, list):
+            raise TypeError("provider lookup must return a list of Candidate")
+        good: list[Candidate] = []
+        for item in raw[: query.max_candidates]:
+            ok = (
+                isinstance(item, Candidate)
+                and item.namespace == query.namespace
+                and item.target_start + item.num_tokens <= len(query.token_ids)
+            )
+            if ok:
+                good.append(item)
+            else:
+                self.counters["invalid_candidates"] += 1
+        return good
+
+    def submit(self, query: LookupQuery) -> bool:
+        """Start a background lookup; False when too many are in flight (counted as timeout)."""
+        if not self._slots.acquire(blocking=False):
+            self.counters["saturated"] += 1
+            return False
+        future = self._lookups.submit(self._run, query)
+        with self._lock:
+            self._pending[query.request_id] = _Pending(future, time.monotonic())
+        return True
+
+    def poll(self, request_id: str) -> LookupResult | None:
+        """The result of a submitted lookup, or None while it may still finish in budget."""
+        with self._lock:
+            pending = self._pending.get(request_id)
+        if pending is None:
+            return LookupResult(reason=FallbackReason.PROVIDER_TIMEOUT)
+        elapsed = time.monotonic() - pending.started
+        if not pending.future.done():
+            if elapsed < self.timeout_s:
+                return None
+            self.forget(request_id)
+            self.counters["timeouts"] += 1
+            return LookupResult(reason=FallbackReason.PROVIDER_TIMEOUT, seconds=elapsed)
+        self.forget(request_id)
+        return self._result(pending.future, elapsed)
+
+    def lookup_now(self, query: LookupQuery) -> LookupResult:
+        started = time.monotonic()
+        if not self.submit(query):
+            return LookupResult(reason=FallbackReason.PROVIDER_TIMEOUT)
+        with self._lock:
+            pending = self._pending.pop(query.request_id)
+        try:
+            pending.future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            self.counters["timeouts"] += 1
+            return LookupResult(reason=FallbackReason.PROVIDER_TIMEOUT,
+                                seconds=time.monotonic() - started)
+        except Exception:  # noqa: BLE001 - reported through _result
+            pass
+        return self._result(pending.future, time.monotonic() - started)
+
+    def _result(self, future: Future[list[Candidate]], seconds: float) -> LookupResult:
+        error = future.exception()
+        if error is not None:
+            self.counters["errors"] += 1
+            log.warning("provider_lookup_failed", error_type=type(error).__name__)
+            return LookupResult(reason=FallbackReason.PROVIDER_ERROR, seconds=seconds)
+        return LookupResult(candidates=future.result(), seconds=seconds)
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._pending.pop(request_id, None)
+
+    # -- index maintenance -----------------------------------------------------------------
+    def _safely(self, what: str, fn: object, *args: object) -> None:
+        def run() -> None:
+            try:
+                fn(*args)  # type: ignore[operator]
+            except Exception as exc:  # noqa: BLE001 - a provider never fails the engine
+                self.counters[f"{what}_errors"] += 1
+                log.warning("provider_call_failed", call=what, error_type=type(exc).__name__)
+
+        self._writes.submit(run)
+
+    def register(self, donor: DonorRecord) -> None:
+        self._safely("register", self.provider.register_donor, donor)
+
+    def evict(self, donor_id: str) -> None:
+        self._safely("evict", self.provider.evict, donor_id)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._pending.clear()
+        self._safely("reset", self.provider.reset)
+
+    def flush(self) -> None:
+        """Wait for queued registrations (tests and benchmarks)."""
+        self._writes.submit(lambda: None).result()
+        self.provider.flush()
+
+    def close(self) -> None:
+        self.reset()
+        self._writes.shutdown(wait=True, cancel_futures=False)
+        self._lookups.shutdown(wait=False, cancel_futures=True)
+        try:
+            self.provider.close()
+        except Exception:  # noqa: BLE001
+            self.counters["close_errors"] += 1

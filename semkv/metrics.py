@@ -1,0 +1,109 @@
+"""Metric names and the engine-neutral counter bag that adapters export.
+
+Counters are keyed ``"<family>"`` or ``"<family>:<label>"`` (e.g. ``"fallbacks:low_similarity"``,
+``"external_tokens:exact"``). Adapters map each family to one Prometheus series named
+``vllm:semkv_<family>_total`` with the label in ``LABELS[family]``.
+
+NOTE: labels are closed enums (tiers, fallback reasons, provenance): never request ids, prompt
+text or anything derived from it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+
+# family -> (label name or None, help text)
+FAMILIES: dict[str, tuple[str | None, str]] = {
+    "lookups": (None, "Requests that semkv looked up a donor for."),
+    "hits": ("tier", "Requests served donor KV, by quality tier."),
+    "fallbacks": ("reason", "Requests that fell back to normal prefill, by reason."),
+    "provenance": ("outcome", "Finished requests by the class of reuse that happened."),
+    "external_tokens": ("tier", "Tokens reported to the engine as externally computed."),
+    "would_reuse_tokens": ("tier", "Tokens a discovery-only lookup would have reused."),
+    "loaded_tokens": (None, "Tokens whose KV the worker actually copied in (confirmed)."),
+    "loaded_blocks": (None, "Blocks copied from the donor store into engine blocks."),
+    "saved_blocks": (None, "Blocks copied from engine blocks into the donor store."),
+    "load_errors": (None, "Blocks reported invalid after a failed or stale load."),
+    "donors_registered": (None, "Donors handed to the provider."),
+    "donors_evicted": (None, "Donors dropped from the provider."),
+    "provider_errors": (None, "Provider calls that raised or returned malformed output."),
+    "tainted_blocks": (None, "Engine blocks kept out of the exact prefix cache (request-only)."),
+}
+GAUGES: dict[str, str] = {
+    "donor_store_bytes": "Bytes of donor KV held in the store.",
+    "donors": "Donors currently registered.",
+    "live_leases": "Donor leases currently held.",
+}
+HISTOGRAMS: dict[str, str] = {
+    "lookup_seconds": "Time from lookup start to decision (provider plus admission).",
+}
+
+
+def key(family: str, label: object | None = None) -> str:
+    if family not in FAMILIES:
+        raise KeyError(f"unknown semkv metric family {family!r}")
+    return family if label is None else f"{family}:{label}"
+
+
+def split(counter_key: str) -> tuple[str, str | None]:
+    family, _, label = counter_key.partition(":")
+    return family, (label or None)
+
+
+class CounterBag:
+    """Plain counters, gauges and observations; picklable and mergeable across processes."""
+
+    def __init__(self) -> None:
+        self.counters: Counter[str] = Counter()
+        self.gauges: dict[str, float] = {}
+        self.observations: dict[str, list[float]] = {}
+
+    def inc(self, family: str, label: object | None = None, amount: float = 1) -> None:
+        self.counters[key(family, label)] += amount
+
+    def set(self, gauge: str, value: float) -> None:
+        if gauge not in GAUGES:
+            raise KeyError(f"unknown semkv gauge {gauge!r}")
+        self.gauges[gauge] = value
+
+    def observe(self, histogram: str, value: float) -> None:
+        if histogram not in HISTOGRAMS:
+            raise KeyError(f"unknown semkv histogram {histogram!r}")
+        self.observations.setdefault(histogram, []).append(value)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "counters": dict(self.counters),
+            "gauges": dict(self.gauges),
+            "observations": {k: list(v) for k, v in self.observations.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object] | None) -> CounterBag:
+        bag = cls()
+        if data:
+            bag.counters.update(data.get("counters", {}))  # type: ignore[arg-type]
+            bag.gauges.update(data.get("gauges", {}))  # type: ignore[arg-type]
+            for name, values in dict(data.get("observations", {})).items():  # type: ignore[call-overload]
+                bag.observations[name] = list(values)
+        return bag
+
+    def merge(self, others: Iterable[CounterBag]) -> CounterBag:
+        for other in others:
+            self.counters.update(other.counters)
+            self.gauges.update(other.gauges)
+            for name, values in other.observations.items():
+                self.observations.setdefault(name, []).extend(values)
+        return self
+
+    def is_empty(self) -> bool:
+        return not (self.counters or self.gauges or self.observations)
+
+    def take(self) -> CounterBag:
+        """Return the current values and start afresh (per-interval reporting)."""
+        taken = CounterBag().merge([self])
+        self.counters.clear()
+        self.gauges.clear()
+        self.observations.clear()
+        return taken
