@@ -52,12 +52,15 @@ class GuardedProvider:
         self._lookups = ThreadPoolExecutor(max_in_flight, thread_name_prefix="semkv-lookup")
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="semkv-index")
         self._pending: dict[str, _Pending] = {}
+        self._last_write: Future[None] | None = None
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
 
     # -- lookups ---------------------------------------------------------------------------
-    def _run(self, query: LookupQuery) -> list[Candidate]:
+    def _run(self, query: LookupQuery, after: Future[None] | None) -> list[Candidate]:
         try:
+            if after is not None:  # see every donor registered before this lookup was asked
+                after.result(timeout=self.timeout_s)
             return self._validated(query, self.provider.lookup(query))
         finally:
             self._slots.release()
@@ -83,7 +86,7 @@ class GuardedProvider:
         if not self._slots.acquire(blocking=False):
             self.counters["saturated"] += 1
             return False
-        future = self._lookups.submit(self._run, query)
+        future = self._lookups.submit(self._run, query, self._last_write)
         with self._lock:
             self._pending[query.request_id] = _Pending(future, time.monotonic())
         return True
@@ -141,7 +144,7 @@ class GuardedProvider:
                 self.counters[f"{what}_errors"] += 1
                 log.warning("provider_call_failed", call=what, error_type=type(exc).__name__)
 
-        self._writes.submit(run)
+        self._last_write = self._writes.submit(run)
 
     def register(self, donor: DonorRecord) -> None:
         self._safely("register", self.provider.register_donor, donor)

@@ -137,9 +137,11 @@ class SchedulerSide:
         key = (local, request.num_preemptions)
         if st.decided_for == key and st.decision is not None:
             return st.answer
-        if st.decided_for is not None and st.decided_for[1] != key[1]:
-            self._release(st)  # resumed after preemption: decide afresh
+        if st.decided_for is not None:
+            # The local prefix changed (or the request was preempted): the old decision and its
+            # lease are void; decide afresh.
             st.lookup_started = False
+            self._release(st)
         started = time.perf_counter()
         decision = self._decide(st, local)
         if decision is None:
@@ -267,6 +269,9 @@ class SchedulerSide:
         if self.materialize:
             if self.kv_cache_manager is None:
                 return
+            if total_blocks > self.index.num_slots:
+                st.may_save = False  # a donor larger than the whole store could never serve
+                return
             block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]
             op = SaveOp([], [], [])
             for i in range(st.saved_blocks, done):
@@ -276,9 +281,11 @@ class SchedulerSide:
                         st.may_save = False
                         break
                     continue
+                self.index.pin([got[0]])  # never evict a block this request just stored
                 op.slots.append(got[0])
                 op.generations.append(got[1])
                 op.block_ids.append(block_ids[i])
+            self.index.unpin(op.slots)
             if op.slots:
                 meta.saves.append(op)
         st.saved_blocks = done
@@ -370,8 +377,10 @@ class SchedulerSide:
                 outcome = Provenance.FALLBACK_RECOMPUTE
             self.stats.inc("fallbacks", reason)
         self.stats.inc("provenance", outcome)
+        would = st.assessment.external_tokens if st.assessment is not None and tier is None else 0
         return {
             "provenance": str(outcome),
+            "would_reuse_tokens": would,
             "tier": str(tier) if tier else None,
             "fallback_reason": str(reason) if reason else None,
             "local_prefix_tokens": local,

@@ -1,0 +1,170 @@
+"""A real vLLM ``Scheduler`` with the semkv connector, driven by synthetic model outputs.
+
+No model runs. A fake forward writes, into every KV slot it computes, a value derived from the
+request's tokens up to that position, so a test can check that a loaded block holds exactly
+what the request's own forward would have written (the exact-tier property), block by block.
+The worker side is the real ``SemanticKVConnector`` in WORKER role over small CPU tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from semkv.bundled_model import ensure_model
+
+BLOCK = 32
+HEADS, HEAD_SIZE = 1, 64  # one slot = 32 tokens * 1 head * (64+64) * 4 B = 16 KiB: 64 per MiB
+EOS = 2
+_hash_ready = False
+
+
+def token_value(tokens: list[int], position: int) -> float:
+    """What the fake forward writes at ``position``: a function of every token up to it."""
+    digest = hashlib.blake2b(repr(tokens[: position + 1]).encode(), digest_size=4).digest()
+    return float(int.from_bytes(digest, "little") % (1 << 20))
+
+
+def make_vllm_config(extra: dict[str, Any], *, num_batched: int = 4096,
+                     policy: str = "recompute") -> VllmConfig:
+    model = ModelConfig(model=str(ensure_model()), dtype="float32", seed=0, max_model_len=4096)
+    return VllmConfig(
+        model_config=model,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16, max_num_batched_tokens=num_batched, max_model_len=4096,
+            enable_chunked_prefill=True, is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.3,
+                                 enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="SemanticKVConnector", kv_connector_module_path="semkv_vllm.connector",
+            kv_role="kv_both", kv_load_failure_policy=policy, kv_connector_extra_config=extra),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+@dataclass
+class Harness:
+    scheduler: Scheduler
+    worker: Any
+    kv: torch.Tensor
+    outputs: dict[str, Any] = field(default_factory=dict)  # request id -> kv_transfer_params
+    finished: set[str] = field(default_factory=set)
+    corrupt_next_load: bool = False
+
+    @property
+    def side(self) -> Any:
+        return self.scheduler.connector._scheduler  # type: ignore[union-attr]
+
+    def add(self, request_id: str, tokens: list[int], *, max_tokens: int = 3,
+            cache_salt: str | None = None) -> Request:
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        sp.update_from_generation_config({}, EOS)
+        req = Request(request_id=request_id, prompt_token_ids=list(tokens), sampling_params=sp,
+                      pooling_params=None, cache_salt=cache_salt,
+                      block_hasher=get_request_block_hasher(BLOCK, sha256))
+        self.scheduler.add_request(req)
+        return req
+
+    def step(self) -> Any:
+        out = self.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        self.worker.bind_connector_metadata(meta)
+        if self.corrupt_next_load and meta.loads:
+            for op in meta.loads:  # simulate a slot overwritten behind the scheduler's back
+                op.generations = [g + 1000 for g in op.generations]
+            self.corrupt_next_load = False
+        self.worker.start_load_kv(None)
+        sampled: dict[str, list[int]] = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            start = req.num_computed_tokens - n  # schedule() already advanced it
+            blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            tokens = list(req.all_token_ids)
+            for pos in range(start, start + n):
+                b, off = blocks[pos // BLOCK], pos % BLOCK
+                self.kv[b, :, off, :] = token_value(tokens, pos)
+            done = start + n >= req.num_tokens
+            sampled[rid] = [7] if done else []
+        self.worker.wait_for_save()
+        recv = self.worker.get_finished(set())[1]
+        invalid = self.worker.get_block_ids_with_load_errors()
+        wmeta = self.worker.build_connector_worker_meta()
+        self.worker.clear_connector_metadata()
+        req_ids = list(sampled)
+        mro = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[sampled[r] for r in req_ids],
+            kv_connector_output=KVConnectorOutput(finished_recving=recv,
+                                                  invalid_block_ids=invalid,
+                                                  kv_connector_worker_meta=wmeta),
+        )
+        engine_outputs = self.scheduler.update_from_output(out, mro)
+        for eco in engine_outputs.values():
+            for o in eco.outputs:
+                if o.finished:
+                    self.finished.add(o.request_id)
+                    self.outputs[o.request_id] = o.kv_transfer_params
+        return out
+
+    def run(self, max_steps: int = 50) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests():
+                return
+            self.step()
+        raise AssertionError("requests did not finish")
+
+    def blocks_hold_own_kv(self, request_id: str, tokens: list[int], num_tokens: int) -> bool:
+        """True when the request's first ``num_tokens`` KV slots hold its own forward's values."""
+        blocks = self.scheduler.kv_cache_manager.get_block_ids(request_id)[0]
+        return all(
+            float(self.kv[blocks[p // BLOCK], 0, p % BLOCK, 0]) == token_value(tokens, p)
+            for p in range(num_tokens)
+        )
+
+    def assert_no_leaks(self) -> None:
+        assert self.side.leases.live_count() == 0, "lease leak"
+        assert self.side.index.pinned_slots() == 0, "pinned slot leak"
+        assert not self.side.requests, "request state leak"
+
+
+def make_harness(extra: dict[str, Any], *, num_blocks: int = 400, num_batched: int = 4096,
+                 policy: str = "recompute") -> Harness:
+    global _hash_ready
+    if not _hash_ready:
+        init_none_hash(sha256)
+        _hash_ready = True
+    from semkv_vllm.connector import SemanticKVConnector
+
+    config = make_vllm_config(extra, num_batched=num_batched, policy=policy)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32))])
+    config.cache_config.num_gpu_blocks = num_blocks
+    scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
+                          structured_output_manager=StructuredOutputManager(config),
+                          block_size=BLOCK, log_stats=True)
+    worker = SemanticKVConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+    kv = torch.zeros((num_blocks, HEADS, BLOCK, 2 * HEAD_SIZE), dtype=torch.float32)
+    worker.register_kv_caches({"layer.0": kv})
+    return Harness(scheduler, worker, kv)
