@@ -1,0 +1,85 @@
+"""One real vLLM CPU engine per test module, on the bundled SmolLM2 model.
+
+NOTE: engines run with ``enforce_eager=True`` (no torch.compile warm-up: ~1 minute to start
+instead of ~4 on a fresh machine) and ``block_size=32``; every comparison in a module is made
+on the same engine, so these settings never mix into a result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+from typing import Any
+
+CONNECTOR = {
+    "kv_connector": "SemanticKVConnector",
+    "kv_connector_module_path": "semkv_vllm.connector",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
+BLOCK = 32
+
+
+@contextlib.contextmanager
+def engine(extra_config: dict[str, Any] | None, **overrides: Any) -> Iterator[Any]:
+    from vllm import LLM
+
+    from semkv.bundled_model import ensure_model
+
+    args: dict[str, Any] = dict(
+        model=str(ensure_model()), dtype="float32", gpu_memory_utilization=0.3,
+        max_model_len=4096, block_size=BLOCK, enable_prefix_caching=True, enforce_eager=True,
+        max_num_batched_tokens=1024, disable_log_stats=False, seed=0,
+    )
+    if extra_config is not None:
+        args["kv_transfer_config"] = dict(CONNECTOR, kv_connector_extra_config=extra_config)
+    args.update(overrides)
+    llm = LLM(**args)
+    try:
+        yield llm
+    finally:
+        core = getattr(llm.llm_engine, "engine_core", None)
+        with contextlib.suppress(Exception):
+            core.shutdown()  # type: ignore[union-attr]
+        del llm
+        gc.collect()
+
+
+def greedy(llm: Any, prompts: list[str], max_tokens: int = 16) -> list[Any]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate(prompts, sp, use_tqdm=False)
+
+
+def one_by_one(llm: Any, prompts: list[str], max_tokens: int = 16) -> list[Any]:
+    """Each prompt alone, so every run of a prompt sees the same batch shape."""
+    return [greedy(llm, [p], max_tokens)[0] for p in prompts]
+
+
+def semkv_metrics(llm: Any) -> dict[str, float]:
+    """The engine's ``vllm:semkv_*`` counters, summed over label values (tier, reason...)."""
+    totals: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:semkv_") and hasattr(metric, "value"):
+            label = next((v for k, v in metric.labels.items() if k not in ("model_name", "engine")), None)
+            name = metric.name if label is None else f"{metric.name}:{label}"
+            totals[name] = totals.get(name, 0.0) + float(metric.value)
+    return totals
+
+
+def essay_prompts(count: int, *, chars: int = 2400, seed: int = 0) -> list[str]:
+    """Distinct long documents read at run time from the bundled essays (never committed)."""
+    import random
+
+    from semkv.assets import essays_dir
+
+    texts = [p.read_text(errors="ignore") for p in sorted(essays_dir().glob("*.txt"))]
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        text = texts[i % len(texts)]
+        start = rng.randrange(0, max(1, len(text) - chars))
+        out.append(text[start : start + chars])
+    return out
