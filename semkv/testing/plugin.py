@@ -24,7 +24,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "semkv_provider_name" in metafunc.fixturenames:
         from semkv.plugins import providers
 
-        names = metafunc.config.getoption("semkv_provider") or sorted(providers())
+        names = metafunc.config.getoption("semkv_provider") or sorted(
+            name for name, cls in providers().items() if not getattr(cls, "fault_injection", False)
+        )
         metafunc.parametrize("semkv_provider_name", names)
 
 

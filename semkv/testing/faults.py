@@ -1,0 +1,110 @@
+"""A fault-injecting provider for tests and chaos runs: ``provider: faulty``.
+
+It wraps any installed provider (``inner``) and, for a seeded random fraction (``rate``) of
+lookups, misbehaves in the chosen way instead of answering. It is registered through the
+``semkv`` entry-point group like any provider, so it can be selected in a real engine::
+
+    {"provider": "faulty", "provider_config": {"inner": "chunks", "faults": ["raise", "hang"],
+                                               "rate": 0.5}}
+
+Fault kinds: ``raise`` (an exception), ``hang`` (sleeps ``hang_seconds``, past any budget),
+``garbage`` (a non-list answer), ``foreign`` (candidates from another namespace),
+``out_of_range`` (spans past the end of the prompt), ``unknown_donor`` (an id never registered).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+import semkv
+from semkv.provider import DonorProvider, DonorRecord, LookupQuery, ProviderContext
+from semkv.types import Candidate
+
+FaultKind = Literal["raise", "hang", "garbage", "foreign", "out_of_range", "unknown_donor"]
+
+
+class FaultyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    inner: str = "chunks"
+    inner_config: dict[str, Any] = Field(default_factory=dict)
+    faults: list[FaultKind] = Field(default_factory=lambda: ["raise"], min_length=1)
+    rate: float = Field(default=1.0, ge=0.0, le=1.0)
+    hang_seconds: float = Field(default=2.0, ge=0.0)
+    seed: int = 0
+
+
+class FaultyProvider(DonorProvider):
+    name = "faulty"
+    fault_injection = True  # excluded from the conformance kit's default run
+    Config = FaultyConfig
+    config: FaultyConfig
+
+    def __init__(self, config: BaseModel, context: ProviderContext) -> None:
+        super().__init__(config, context)
+        from semkv.plugins import get_provider_class
+
+        self.inner = get_provider_class(self.config.inner).from_config(
+            self.config.inner_config, context)
+        self.capabilities = self.inner.capabilities  # type: ignore[misc]
+        self._rng = random.Random(self.config.seed)
+        self._lock = threading.Lock()
+        self.injected: Counter[str] = Counter()
+
+    def _pick(self) -> str | None:
+        with self._lock:
+            if self._rng.random() >= self.config.rate:
+                return None
+            kind = self._rng.choice(self.config.faults)
+            self.injected[kind] += 1
+            return kind
+
+    def lookup(self, query: LookupQuery) -> list[Candidate]:
+        kind = self._pick()
+        if kind is None:
+            return self.inner.lookup(query)
+        if kind == "raise":
+            raise RuntimeError("injected provider fault")
+        if kind == "hang":
+            time.sleep(self.config.hang_seconds)
+            return self.inner.lookup(query)
+        if kind == "garbage":
+            return {"not": "a list"}  # type: ignore[return-value]
+        found = self.inner.lookup(query) or [
+            Candidate(donor_id="ghost", namespace=query.namespace, similarity=1.0)]
+        first = found[0]
+        if kind == "foreign":
+            return [first.model_copy(update={"namespace": "another-namespace"})]
+        if kind == "out_of_range":
+            return [first.model_copy(update={"num_tokens": len(query.token_ids) + 64})]
+        return [first.model_copy(update={"donor_id": "never-registered"})]
+
+    def register_donor(self, donor: DonorRecord) -> None:
+        self.inner.register_donor(donor)
+
+    def evict(self, donor_id: str) -> None:
+        self.inner.evict(donor_id)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def stats(self) -> dict[str, float]:
+        return {f"injected_{k}": float(v) for k, v in self.injected.items()}
+
+
+@semkv.hookimpl
+def register_providers(register: Callable[..., None]) -> None:
+    register(FaultyProvider)
