@@ -4,7 +4,7 @@ import pytest
 
 from semkv.testing import ProviderContract
 
-BUILTIN = ["chunks"]
+BUILTIN = ["chunks", "minhash", "semblend", "embedding"]
 
 
 class TestBuiltinProviders(ProviderContract):
