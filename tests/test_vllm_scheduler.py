@@ -60,6 +60,20 @@ def test_sync_hit_schedules_only_the_rest_and_loads_exact_kv(h):
     assert summary["confirmed_loaded_tokens"] == 9 * BLOCK
 
 
+def test_layerwise_load_copies_the_same_blocks():
+    h = make_harness(dict(EXACT, layerwise_load=True))
+    tokens = doc(23, 300)
+    h.add("donor", tokens)
+    h.run()
+    _forget_local_prefix_cache(h)
+    h.add("target", tokens)
+    h.step()
+    assert h.blocks_hold_own_kv("target", tokens, 300)
+    h.run()
+    assert h.outputs["target"]["semkv"]["confirmed_loaded_tokens"] == 9 * BLOCK
+    h.assert_no_leaks()
+
+
 def test_full_prompt_cap_leaves_a_token(h):
     tokens = doc(3, 8 * BLOCK)  # exactly 8 blocks
     h.add("donor", tokens)

@@ -94,6 +94,7 @@ class Harness:
                 op.generations = [g + 1000 for g in op.generations]
             self.corrupt_next_load = False
         self.worker.start_load_kv(None)
+        self.worker.wait_for_layer_load("layer.0")  # layerwise loads land here
         sampled: dict[str, list[int]] = {}
         for rid, n in out.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
