@@ -27,8 +27,7 @@ FAMILIES: dict[str, tuple[str | None, str]] = {
     "load_errors": (None, "Blocks reported invalid after a failed or stale load."),
     "donors_registered": (None, "Donors handed to the provider."),
     "donors_evicted": (None, "Donors dropped from the provider."),
-    "provider_errors": (None, "Provider calls that raised or returned malformed output."),
-    "tainted_blocks": (None, "Engine blocks kept out of the exact prefix cache (request-only)."),
+    "provider_errors": ("kind", "Provider calls that raised, timed out or returned malformed output."),
 }
 GAUGES: dict[str, str] = {
     "donor_store_bytes": "Bytes of donor KV held in the store.",

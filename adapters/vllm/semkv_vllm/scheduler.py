@@ -92,6 +92,7 @@ class SchedulerSide:
         self.stats = CounterBag()
         self.kv_cache_manager: Any = None
         self._ids = itertools.count(1)
+        self._exported: dict[str, float] = {}
 
     # -- request registration ----------------------------------------------------------------
     def _state(self, request: Any) -> _Req:
@@ -410,6 +411,12 @@ class SchedulerSide:
             self.provider.close()
 
     def take_stats(self) -> CounterBag:
+        if self.provider is not None:  # export the guard's counters as deltas
+            for kind, value in self.provider.counters.items():
+                delta = value - self._exported.get(kind, 0)
+                if delta:
+                    self.stats.inc("provider_errors", kind, delta)
+                    self._exported[kind] = value
         self.stats.set("donor_store_bytes", len(self.index) * self.bytes_per_slot)
         self.stats.set("donors", len(self.donors))
         self.stats.set("live_leases", self.leases.live_count())
