@@ -9,6 +9,7 @@ The worker side is the real ``SemanticKVConnector`` in WORKER role over small CP
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,12 +128,19 @@ class Harness:
                     self.outputs[o.request_id] = o.kv_transfer_params
         return out
 
-    def run(self, max_steps: int = 50) -> None:
-        for _ in range(max_steps):
-            if not self.scheduler.has_requests():
-                return
-            self.step()
-        raise AssertionError("requests did not finish")
+    def run(self, max_steps: int = 200, max_seconds: float = 60.0) -> None:
+        deadline = time.monotonic() + max_seconds
+        steps = 0
+        while self.scheduler.has_requests():
+            out = self.step()
+            if not out.num_scheduled_tokens:
+                time.sleep(0.005)  # a deferred request (lookup pending): let its thread run
+                if time.monotonic() > deadline:
+                    raise AssertionError("requests did not finish in time")
+                continue
+            steps += 1
+            if steps > max_steps:
+                raise AssertionError("requests did not finish")
 
     def blocks_hold_own_kv(self, request_id: str, tokens: list[int], num_tokens: int) -> bool:
         """True when the request's first ``num_tokens`` KV slots hold its own forward's values."""
