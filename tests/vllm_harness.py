@@ -157,7 +157,7 @@ class Harness:
 
 
 def make_harness(extra: dict[str, Any], *, num_blocks: int = 400, num_batched: int = 4096,
-                 policy: str = "recompute") -> Harness:
+                 policy: str = "recompute", scheduler_cls: type[Scheduler] = Scheduler) -> Harness:
     global _hash_ready
     if not _hash_ready:
         init_none_hash(sha256)
@@ -170,7 +170,7 @@ def make_harness(extra: dict[str, Any], *, num_blocks: int = 400, num_batched: i
         kv_cache_groups=[KVCacheGroupSpec(["layer.0"], FullAttentionSpec(
             block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32))])
     config.cache_config.num_gpu_blocks = num_blocks
-    scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
+    scheduler = scheduler_cls(vllm_config=config, kv_cache_config=kv_cache_config,
                           structured_output_manager=StructuredOutputManager(config),
                           block_size=BLOCK, log_stats=True)
     worker = SemanticKVConnector(config, KVConnectorRole.WORKER, kv_cache_config)

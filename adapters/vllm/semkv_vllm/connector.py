@@ -35,6 +35,7 @@ from semkv.log import get_logger
 from semkv.lookup import GuardedProvider
 from semkv.provider import ProviderContext
 from semkv.types import Mode
+from semkv_vllm.commit_policy import ExternalKVCachePolicy
 from semkv_vllm.namespace import namespace_from_vllm_config
 from semkv_vllm.scheduler import SchedulerSide, make_detokenizer
 from semkv_vllm.stats import SemkvConnectorStats, SemkvPromMetrics
@@ -91,6 +92,7 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
         slots, per_slot = store_geometry(self.config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self.commit_policy_enforced = False  # set by CommitPolicyScheduler
         if role == KVConnectorRole.SCHEDULER:
             block_size = vllm_config.cache_config.block_size
             provider = (None if self.config.semantic_mode is Mode.DISABLED
@@ -176,6 +178,13 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_external_kv_cache_policy(self, request_id: str,
+                                     num_external_tokens: int) -> ExternalKVCachePolicy:
+        """Side-effect free; consulted by ``CommitPolicyScheduler`` before every commit."""
+        if self._scheduler is None:
+            return ExternalKVCachePolicy.EXACT_COMMIT
+        return ExternalKVCachePolicy(self._scheduler.cache_policy(request_id).value)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:

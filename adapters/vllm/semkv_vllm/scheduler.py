@@ -35,7 +35,14 @@ from semkv.lookup import GuardedProvider, LookupResult
 from semkv.metrics import CounterBag
 from semkv.namespace import Namespace
 from semkv.provider import DonorRecord, LookupQuery
-from semkv.types import FallbackReason, Mode, Provenance, QualityTier, SemanticKVMatch
+from semkv.types import (
+    CachePolicy,
+    FallbackReason,
+    Mode,
+    Provenance,
+    QualityTier,
+    SemanticKVMatch,
+)
 from semkv_vllm.metadata import LoadOp, SaveOp, SemkvMetadata, SemkvWorkerMetadata
 from semkv_vllm.store_index import StoreIndex, block_keys
 
@@ -219,6 +226,13 @@ class SchedulerSide:
             self.index.unpin(st.pinned)
         st.pinned, st.generations, st.planned = [], [], False
         st.decision, st.decided_for, st.answer = None, None, (0, False)
+
+    def cache_policy(self, request_id: str) -> CachePolicy:
+        """Side-effect free: may this request's blocks become exact prefix-cache state?"""
+        st = self.requests.get(request_id)
+        if st is not None and st.decision is not None and st.decision.is_hit:
+            return st.decision.cache_policy
+        return CachePolicy.EXACT_COMMIT
 
     # -- allocation and metadata -------------------------------------------------------------
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
