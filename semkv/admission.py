@@ -14,6 +14,7 @@ nothing.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -42,8 +43,14 @@ class DonorView:
     stored_tokens: int  # leading tokens whose KV can be materialized right now
 
 
+def as_tokens(tokens: Sequence[int]) -> array[int]:
+    """Token ids as a compact machine array (8 bytes each instead of ~36 in a tuple)."""
+    return tokens if isinstance(tokens, array) and tokens.typecode == "q" else array("q", tokens)
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     """Length of the identical leading run of ``a`` and ``b``, at most ``limit``."""
+    a, b = as_tokens(a), as_tokens(b)  # slices of one type compare in C, and only equal types
     n = min(len(a), len(b), limit)
     # Compare in slices first: most prefixes are either long and equal or diverge early.
     lo = 0
@@ -124,6 +131,7 @@ class Admission:
             return self._fallback(request_id, FallbackReason.NAMESPACE_MISMATCH, local_prefix_tokens), None
         if not candidates:
             return self._fallback(request_id, FallbackReason.PROVIDER_MISS, local_prefix_tokens), None
+        target = as_tokens(target)
         assessed = [
             self.assess(target, local_prefix_tokens, c, donors(c.donor_id), namespace,
                         synchronous=synchronous)

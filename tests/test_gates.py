@@ -69,3 +69,16 @@ def test_full_prompt_cap_properties(prompt, local_blocks, external, block, sync)
         assert local + allowed < prompt or allowed == 0
     else:
         assert local + allowed <= prompt
+
+
+def test_common_prefix_across_sequence_types():
+    from array import array
+
+    from semkv.admission import common_prefix
+
+    a = list(range(1000))
+    b = array("q", list(range(700)) + [5] * 300)
+    assert common_prefix(a, b, 10_000) == 700
+    assert common_prefix(tuple(a), a, 10_000) == 1000
+    assert common_prefix(a, b, 512) == 512
+    assert common_prefix([], b, 10) == 0

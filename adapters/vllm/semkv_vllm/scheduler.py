@@ -20,13 +20,14 @@ so the stats can say what each tier would have reused.
 from __future__ import annotations
 
 import itertools
+from array import array
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from semkv.admission import Admission, Assessment, DonorView
+from semkv.admission import Admission, Assessment, DonorView, as_tokens
 from semkv.config import SemkvConfig
 from semkv.gates import full_prompt_cap
 from semkv.leases import LeaseTable
@@ -54,7 +55,7 @@ MAX_CANDIDATES = 5
 class _Donor:
     donor_id: str
     namespace: str
-    token_ids: tuple[int, ...]
+    token_ids: array[int]  # compact: donors are many and long
     keys: list[bytes]
 
 
@@ -315,12 +316,12 @@ class SchedulerSide:
             self.donors.move_to_end(self.donor_by_tail[tail])
             return
         donor_id = f"d{next(self._ids)}"
-        tokens = tuple(st.request.prompt_token_ids[: len(st.keys) * self.bs])
+        tokens = as_tokens(st.request.prompt_token_ids[: len(st.keys) * self.bs])
         self.donors[donor_id] = _Donor(donor_id, st.namespace.digest, tokens, st.keys)
         self.donor_by_tail[tail] = donor_id
         self.leases.publish(donor_id)
         self.provider.register(DonorRecord(donor_id=donor_id, namespace=st.namespace.digest,
-                                           token_ids=tokens))
+                                           token_ids=tuple(tokens)))
         self.stats.inc("donors_registered")
         self._trim_donors()
 
