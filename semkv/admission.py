@@ -6,8 +6,9 @@ and to lease it. Admission re-verifies every candidate against real tokens, clas
 tier, applies the gates in a fixed order, and returns a ``SemanticKVMatch`` that is either a hit
 (holding a fresh lease) or a fallback naming the first gate that stopped the best candidate.
 
-NOTE: admission never trusts a provider's span or similarity for the exact tier: the tier is
-decided by comparing token ids, here.
+NOTE: admission never trusts a provider's span or similarity: every candidate is re-verified
+against real token ids by ``semkv.verify`` (exact prefix, longest identical run, similarity),
+and the tier is decided from that.
 NOTE: the lease is acquired last, only for the winning candidate, so a rejected request holds
 nothing.
 """
@@ -31,6 +32,7 @@ from semkv.types import (
     QualityTier,
     SemanticKVMatch,
 )
+from semkv.verify import Verification, verify
 
 
 @dataclass(frozen=True)
@@ -48,20 +50,6 @@ def as_tokens(tokens: Sequence[int]) -> array[int]:
     return tokens if isinstance(tokens, array) and tokens.typecode == "q" else array("q", tokens)
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    """Length of the identical leading run of ``a`` and ``b``, at most ``limit``."""
-    a, b = as_tokens(a), as_tokens(b)  # slices of one type compare in C, and only equal types
-    n = min(len(a), len(b), limit)
-    # Compare in slices first: most prefixes are either long and equal or diverge early.
-    lo = 0
-    step = 256
-    while lo + step <= n and a[lo : lo + step] == b[lo : lo + step]:
-        lo += step
-    while lo < n and a[lo] == b[lo]:
-        lo += 1
-    return lo
-
-
 @dataclass(frozen=True)
 class Assessment:
     """One candidate, verified: what tier it is and how many external tokens it could serve."""
@@ -70,6 +58,7 @@ class Assessment:
     tier: QualityTier
     external_tokens: int
     reason: FallbackReason | None
+    verification: Verification | None = None
 
 
 class Admission:
@@ -93,23 +82,23 @@ class Admission:
             return Assessment(candidate, QualityTier.SEMANTIC, 0, FallbackReason.DONOR_STALE)
         if namespace_gate(namespace, donor.namespace) or candidate.namespace != donor.namespace:
             return Assessment(candidate, QualityTier.SEMANTIC, 0, FallbackReason.NAMESPACE_MISMATCH)
+        # Only the stored part of a donor can be materialized; verify against that part.
+        v = verify(target, donor.token_ids[: donor.stored_tokens], bs, candidate)
         # Exact tier: identical tokens from position 0, in whole stored blocks.
-        same = common_prefix(target, donor.token_ids, donor.stored_tokens)
-        exact_end = same - same % bs
-        external = exact_end - local_prefix_tokens
+        external = v.exact_prefix_tokens - local_prefix_tokens
         if external <= 0:
             reason = (
                 FallbackReason.EXACT_PREFIX_SUFFICIENT
                 if local_prefix_tokens > 0
                 else FallbackReason.NOT_PREFIX_ANCHORED
             )
-            return Assessment(candidate, QualityTier.EXACT, 0, reason)
+            return Assessment(candidate, v.tier, 0, reason, v)
         allowed = full_prompt_cap(len(target), local_prefix_tokens, external, bs,
                                   synchronous=synchronous)
         reason = reuse_tokens_gate(allowed, self.config.min_reuse_tokens)
         if reason is None:
             reason = tier_gate(self.config.semantic_mode, QualityTier.EXACT)
-        return Assessment(candidate, QualityTier.EXACT, allowed, reason)
+        return Assessment(candidate, QualityTier.EXACT, allowed, reason, v)
 
     def decide(
         self,
@@ -131,7 +120,6 @@ class Admission:
             return self._fallback(request_id, FallbackReason.NAMESPACE_MISMATCH, local_prefix_tokens), None
         if not candidates:
             return self._fallback(request_id, FallbackReason.PROVIDER_MISS, local_prefix_tokens), None
-        target = as_tokens(target)
         assessed = [
             self.assess(target, local_prefix_tokens, c, donors(c.donor_id), namespace,
                         synchronous=synchronous)

@@ -74,11 +74,13 @@ def test_full_prompt_cap_properties(prompt, local_blocks, external, block, sync)
 def test_common_prefix_across_sequence_types():
     from array import array
 
-    from semkv.admission import common_prefix
+    from semkv.types import Candidate
+    from semkv.verify import verify
 
     a = list(range(1000))
     b = array("q", list(range(700)) + [5] * 300)
-    assert common_prefix(a, b, 10_000) == 700
-    assert common_prefix(tuple(a), a, 10_000) == 1000
-    assert common_prefix(a, b, 512) == 512
-    assert common_prefix([], b, 10) == 0
+    cand = Candidate(donor_id="d", namespace="n", similarity=0.5)
+    assert verify(a, b, 32, cand).common_prefix_tokens == 700
+    assert verify(tuple(a), a, 32, cand).exact_prefix_tokens == 992
+    assert verify(a, b[:512], 32, cand).exact_prefix_tokens == 512
+    assert verify([], b, 32, cand).exact_prefix_tokens == 0
