@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import threading
+
 import pluggy
 
 from semkv import hookspecs

@@ -8,7 +8,6 @@ torch = pytest.importorskip("torch")
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
 from semkv_vllm.block_copy import allocate_store, copy_blocks  # noqa: E402
 from semkv_vllm.store_index import StoreIndex, block_keys  # noqa: E402
 

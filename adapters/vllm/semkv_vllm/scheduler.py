@@ -20,8 +20,8 @@ so the stats can say what each tier would have reused.
 from __future__ import annotations
 
 import itertools
-from array import array
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field

@@ -1,7 +1,6 @@
 from collections.abc import Callable
 
 import semkv
-
 from semkv_chunks.provider import ChunksProvider
 
 
