@@ -55,7 +55,7 @@ def main() -> None:
 
     from semkv.bundled_model import ensure_model
 
-    console = Console()
+    console = Console(width=max(Console().width, 140))  # keep the table readable in CI logs
     config = {
         "kv_connector": "SemanticKVConnector", "kv_connector_module_path": "semkv_vllm.connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
