@@ -32,10 +32,26 @@ def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
         raise ValueError(
             f"page mismatch: {tuple(src.shape[1:])}/{src.dtype} vs {tuple(dst.shape[1:])}/{dst.dtype}"
         )
+    if src.device == dst.device:
+        # One pass over the data: copy each run of consecutive blocks as one slice (a gather
+        # into a temporary and a scatter from it would read and write everything twice).
+        for s, d, n in _runs(src_ids, dst_ids):
+            dst[d : d + n].copy_(src[s : s + n])
+        return
     gathered = src.index_select(0, _index(src_ids, src.device))
-    if gathered.device != dst.device:
-        gathered = gathered.to(dst.device, non_blocking=dst.device.type == "cuda")
+    gathered = gathered.to(dst.device, non_blocking=dst.device.type == "cuda")
     dst.index_copy_(0, _index(dst_ids, dst.device), gathered)
+
+
+def _runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of maximal runs consecutive on both sides."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
 
 
 def allocate_store(like: torch.Tensor, num_slots: int) -> torch.Tensor:
