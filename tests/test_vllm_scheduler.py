@@ -168,17 +168,18 @@ def test_async_hit_waits_for_remote_kvs_then_runs():
     h.assert_no_leaks()
 
 
-def test_pending_lookup_defers_then_schedules():
+def _gated_async_harness():
+    """A harness with async lookups whose provider answers only once the gate opens."""
     h = make_harness(dict(EXACT, async_lookup=True, lookup_timeout_ms=5000))
     gate = threading.Event()
     real = h.side.provider.provider
     original = real.lookup
+    real.lookup = lambda q: (gate.wait(10), original(q))[1]
+    return h, gate
 
-    def slow_lookup(query):
-        gate.wait(10)
-        return original(query)
 
-    real.lookup = slow_lookup
+def test_pending_lookup_defers_then_schedules():
+    h, gate = _gated_async_harness()
     h.add("a", doc(11, 200))
     out = h.step()
     assert "a" not in out.num_scheduled_tokens  # (None, False): not scheduled, nothing allocated
@@ -240,11 +241,7 @@ def test_abort_while_loading_releases_everything():
 
 
 def test_reset_with_pending_lookups():
-    h = make_harness(dict(EXACT, async_lookup=True, lookup_timeout_ms=5000))
-    gate = threading.Event()
-    real = h.side.provider.provider
-    original = real.lookup
-    real.lookup = lambda q: (gate.wait(10), original(q))[1]
+    h, gate = _gated_async_harness()
     h.add("a", doc(16, 200))
     h.step()
     assert h.scheduler.reset_connector_cache()
