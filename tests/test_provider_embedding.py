@@ -239,3 +239,26 @@ def test_close_stops_the_thread_and_missing_faiss_names_the_package(
     monkeypatch.setitem(sys.modules, "faiss", None)
     with pytest.raises(ImportError, match="semkv-embedding"):
         _provider()
+
+
+def test_auto_index_grows_into_hnsw_and_still_finds_donors() -> None:
+    """The default index is exact (flat) while small and HNSW past hnsw_min_donors."""
+    from semkv.provider import DonorRecord, LookupQuery
+    from semkv.testing import SyntheticCorpus
+
+    assert EmbeddingProvider.Config().index == "auto"
+    p = _provider(hnsw_min_donors=6)
+    try:
+        docs = SyntheticCorpus(seed=5).documents(8, 64)
+        for i, d in enumerate(docs[:5]):
+            p.register_donor(DonorRecord(donor_id=f"d{i}", namespace="ns", token_ids=d))
+        p.flush()
+        assert p._spaces["ns"].kind == "flat"
+        for i, d in enumerate(docs[5:], start=5):
+            p.register_donor(DonorRecord(donor_id=f"d{i}", namespace="ns", token_ids=d))
+        p.flush()
+        assert p._spaces["ns"].kind == "hnsw"
+        found = p.lookup(LookupQuery(request_id="q", namespace="ns", token_ids=docs[2]))
+        assert found and found[0].donor_id == "d2"
+    finally:
+        p.close()

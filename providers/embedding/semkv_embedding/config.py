@@ -21,7 +21,7 @@ class EmbeddingConfig(BaseModel):
         default=1000, ge=64, description="Characters per embedded window; windows are averaged."
     )
     index: Literal["flat", "hnsw", "auto"] = Field(
-        default="flat", description="faiss index per namespace; auto: flat, then HNSW past "
+        default="auto", description="faiss index per namespace; auto: flat, then HNSW past "
         "hnsw_min_donors donors."
     )
     hnsw_min_donors: int = Field(default=50_000, ge=1)
