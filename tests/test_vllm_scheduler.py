@@ -35,6 +35,13 @@ def _forget_local_prefix_cache(h) -> None:
     assert h.scheduler.reset_prefix_cache(reset_connector=False)
 
 
+def _donor_then_forget(h, tokens: list[int]) -> None:
+    """Run a donor to completion, then empty vLLM's own prefix cache (semkv's store keeps it)."""
+    h.add("donor", tokens)
+    h.run()
+    _forget_local_prefix_cache(h)
+
+
 def test_miss_runs_normal_prefill(h):
     tokens = doc(1, 200)
     h.add("a", tokens)
@@ -46,9 +53,7 @@ def test_miss_runs_normal_prefill(h):
 
 def test_sync_hit_schedules_only_the_rest_and_loads_exact_kv(h):
     tokens = doc(2, 300)  # 9 full blocks + 12 tokens
-    h.add("donor", tokens)
-    h.run()
-    _forget_local_prefix_cache(h)
+    _donor_then_forget(h, tokens)
     h.add("target", tokens)
     out = h.step()
     assert out.num_scheduled_tokens["target"] == 300 - 9 * BLOCK
@@ -64,9 +69,7 @@ def test_sync_hit_schedules_only_the_rest_and_loads_exact_kv(h):
 def test_layerwise_load_copies_the_same_blocks():
     h = make_harness(dict(EXACT, layerwise_load=True))
     tokens = doc(23, 300)
-    h.add("donor", tokens)
-    h.run()
-    _forget_local_prefix_cache(h)
+    _donor_then_forget(h, tokens)
     h.add("target", tokens)
     h.step()
     assert h.blocks_hold_own_kv("target", tokens, 300)
@@ -77,9 +80,7 @@ def test_layerwise_load_copies_the_same_blocks():
 
 def test_full_prompt_cap_leaves_a_token(h):
     tokens = doc(3, 8 * BLOCK)  # exactly 8 blocks
-    h.add("donor", tokens)
-    h.run()
-    _forget_local_prefix_cache(h)
+    _donor_then_forget(h, tokens)
     h.add("target", tokens)
     out = h.step()
     assert out.num_scheduled_tokens["target"] == BLOCK  # 7 blocks loaded, the last computed
@@ -100,9 +101,7 @@ def test_local_exact_prefix_wins_first(h):
 def test_partial_overlap_loads_only_the_shared_blocks(h):
     shared = doc(5, 4 * BLOCK)
     donor, target = shared + doc(6, 200), shared + doc(7, 200)
-    h.add("donor", donor)
-    h.run()
-    _forget_local_prefix_cache(h)
+    _donor_then_forget(h, donor)
     h.add("target", target)
     out = h.step()
     assert out.num_scheduled_tokens["target"] == len(target) - 4 * BLOCK
@@ -124,9 +123,7 @@ def test_other_tenant_never_gets_the_donor(h):
 
 def test_unaligned_or_foreign_candidates_are_rejected(h):
     tokens = doc(9, 300)
-    h.add("donor", tokens)
-    h.run()
-    _forget_local_prefix_cache(h)
+    _donor_then_forget(h, tokens)
 
     class Liar(DonorProvider):
         name = "liar"
@@ -153,9 +150,7 @@ def test_unaligned_or_foreign_candidates_are_rejected(h):
 def test_async_hit_waits_for_remote_kvs_then_runs():
     h = make_harness(dict(EXACT, async_load=True))
     tokens = doc(10, 300)
-    h.add("donor", tokens)
-    h.run()
-    _forget_local_prefix_cache(h)
+    _donor_then_forget(h, tokens)
     req = h.add("target", tokens)
     out = h.step()
     assert "target" not in out.num_scheduled_tokens
@@ -215,9 +210,7 @@ def test_raising_provider_falls_back():
 
 def test_invalid_blocks_with_recompute_truncate_and_recompute(h):
     tokens = doc(14, 300)
-    h.add("donor", tokens)
-    h.run()
-    _forget_local_prefix_cache(h)
+    _donor_then_forget(h, tokens)
     h.corrupt_next_load = True
     h.add("target", tokens)
     h.run()
@@ -228,9 +221,7 @@ def test_invalid_blocks_with_recompute_truncate_and_recompute(h):
 def test_abort_while_loading_releases_everything():
     h = make_harness(dict(EXACT, async_load=True))
     tokens = doc(15, 300)
-    h.add("donor", tokens)
-    h.run()
-    _forget_local_prefix_cache(h)
+    _donor_then_forget(h, tokens)
     h.add("target", tokens)
     h.scheduler.schedule()  # decision made, lease held, load planned
     assert h.side.leases.live_count() == 1
@@ -255,9 +246,7 @@ def test_preemption_and_resume_release_and_reload():
     # A pool so small that the second request's growth preempts the first.
     h = make_harness(EXACT, num_blocks=22)
     tokens = doc(17, 300)
-    h.add("donor", tokens)
-    h.run()
-    _forget_local_prefix_cache(h)
+    _donor_then_forget(h, tokens)
     h.add("target", tokens, max_tokens=200)
     h.add("hog", doc(18, 330), max_tokens=200)
     preempted = False
