@@ -9,6 +9,9 @@ tier, applies the gates in a fixed order, and returns a ``SemanticKVMatch`` that
 NOTE: admission never trusts a provider's span or similarity: every candidate is re-verified
 against real token ids by ``semkv.verify`` (exact prefix, longest identical run, similarity),
 and the tier is decided from that.
+NOTE: the exact tier wins whenever it passes its gates; only then are non-identical spans
+mapped (``semkv.span_map``): identical tokens at another offset are the verified tier, spans
+with token differences the semantic tier. Both are request-only, gated per tier by config.
 NOTE: the lease is acquired last, only for the winning candidate, so a rejected request holds
 nothing.
 """
@@ -23,6 +26,7 @@ from semkv.config import SemkvConfig
 from semkv.gates import full_prompt_cap, reuse_tokens_gate, tier_gate
 from semkv.leases import Lease, UnknownDonorError
 from semkv.namespace import Namespace, namespace_gate
+from semkv.span_map import SpanMap, map_span
 from semkv.types import (
     CachePolicy,
     Candidate,
@@ -59,6 +63,7 @@ class Assessment:
     external_tokens: int
     reason: FallbackReason | None
     verification: Verification | None = None
+    span: SpanMap | None = None  # non-identical tiers: which donor position serves each token
 
 
 class Admission:
@@ -86,19 +91,56 @@ class Admission:
         v = verify(target, donor.token_ids[: donor.stored_tokens], bs, candidate)
         # Exact tier: identical tokens from position 0, in whole stored blocks.
         external = v.exact_prefix_tokens - local_prefix_tokens
-        if external <= 0:
+        if external > 0:
+            allowed = full_prompt_cap(len(target), local_prefix_tokens, external, bs,
+                                      synchronous=synchronous)
+            reason = reuse_tokens_gate(allowed, self.config.min_reuse_tokens)
+            if reason is None:
+                reason = tier_gate(self.config.semantic_mode, QualityTier.EXACT)
+            exact = Assessment(candidate, QualityTier.EXACT, allowed, reason, v)
+            if reason is None or not self._maps_spans() or (
+                    self.config.semantic_mode is Mode.DISCOVERY_ONLY):
+                return exact  # discovery reports an exact span as exact, not as a longer map
+        else:
             reason = (
                 FallbackReason.EXACT_PREFIX_SUFFICIENT
                 if local_prefix_tokens > 0
                 else FallbackReason.NOT_PREFIX_ANCHORED
             )
-            return Assessment(candidate, v.tier, 0, reason, v)
-        allowed = full_prompt_cap(len(target), local_prefix_tokens, external, bs,
-                                  synchronous=synchronous)
-        reason = reuse_tokens_gate(allowed, self.config.min_reuse_tokens)
-        if reason is None:
-            reason = tier_gate(self.config.semantic_mode, QualityTier.EXACT)
-        return Assessment(candidate, QualityTier.EXACT, allowed, reason, v)
+            exact = Assessment(candidate, v.tier, 0, reason, v)
+            if not self._maps_spans():
+                return exact
+        mapped = self._assess_span(target, local_prefix_tokens, candidate, donor, v,
+                                   synchronous=synchronous)
+        return mapped if mapped is not None else exact
+
+    def _maps_spans(self) -> bool:
+        """Non-identical spans are worth mapping when they may be loaded or are counted."""
+        mode = self.config.semantic_mode
+        return mode is Mode.DISCOVERY_ONLY or (
+            mode is Mode.MATERIALIZE_SEMANTIC and bool(self.config.semantic_tiers))
+
+    def _assess_span(self, target: Sequence[int], local: int, candidate: Candidate,
+                     donor: DonorView, v: Verification, *, synchronous: bool) -> Assessment | None:
+        cap = full_prompt_cap(len(target), local, len(target), self.block_size,
+                              synchronous=synchronous)
+        span = map_span(target, donor.token_ids[: donor.stored_tokens], local, self.block_size,
+                        max_tokens=cap, min_agreement=self.config.min_similarity)
+        if span is None:
+            return None
+        tier = span.tier
+        if tier is QualityTier.EXACT:
+            return None  # the exact path above already judged this span
+        least = (self.config.verified_min_reuse_tokens if tier is QualityTier.VERIFIED
+                 else self.config.semantic_min_reuse_tokens)
+        reason = reuse_tokens_gate(span.num_tokens, least) or self._tier_allowed(tier)
+        return Assessment(candidate, tier, span.num_tokens, reason, v, span)
+
+    def _tier_allowed(self, tier: QualityTier) -> FallbackReason | None:
+        reason = tier_gate(self.config.semantic_mode, tier)
+        if reason is None and tier not in self.config.semantic_tiers:
+            return FallbackReason.RECOMPUTE_POLICY
+        return reason
 
     def decide(
         self,
@@ -125,7 +167,8 @@ class Admission:
                         synchronous=synchronous)
             for c in candidates
         ]
-        best = max(assessed, key=lambda a: (a.reason is None, a.external_tokens))
+        best = max(assessed, key=lambda a: (a.reason is None, a.tier is QualityTier.EXACT,
+                                            a.external_tokens))
         if best.reason is not None:
             return self._fallback(request_id, best.reason, local_prefix_tokens,
                                   would_reuse_tokens=best.external_tokens,
@@ -138,11 +181,13 @@ class Admission:
             request_id=request_id,
             donor_id=best.candidate.donor_id,
             donor_lease_id=lease.lease_id,
-            similarity=1.0 if best.tier is QualityTier.EXACT else best.candidate.similarity,
+            similarity=(1.0 if best.tier is QualityTier.EXACT
+                        else best.span.agreement if best.span is not None
+                        else best.candidate.similarity),
             local_prefix_tokens=local_prefix_tokens,
             external_prefix_tokens=best.external_tokens,
             donor_prefix_tokens=local_prefix_tokens + best.external_tokens,
-            donor_offset_tokens=0,
+            donor_offset_tokens=best.span.donor_range()[0] if best.span is not None else 0,
             materialization=Materialization.SYNC if synchronous else Materialization.ASYNC,
             quality_tier=best.tier,
             cache_policy=(

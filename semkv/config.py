@@ -27,7 +27,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from semkv.types import Mode
+from semkv.types import Mode, QualityTier
 
 ENV_PREFIX = "SEMKV_"
 # SEMKV_* variables that are not config keys (read elsewhere, documented in the operator guide).
@@ -50,8 +50,17 @@ class SemkvConfig(BaseSettings):
 
     provider: str = Field(default="chunks", min_length=1, description="Provider name to use.")
     semantic_mode: Mode = Field(default=Mode.DISCOVERY_ONLY, description="How far reuse goes.")
-    min_similarity: float = Field(default=0.9, ge=0.0, le=1.0)
-    min_reuse_tokens: int = Field(default=128, ge=1)
+    min_similarity: float = Field(
+        default=0.9, ge=0.0, le=1.0,
+        description="Semantic tier: least fraction of reused tokens identical to the target's.")
+    min_reuse_tokens: int = Field(default=128, ge=1, description="Exact tier: fewest tokens.")
+    verified_min_reuse_tokens: int = Field(default=256, ge=1,
+                                           description="Verified tier: fewest tokens.")
+    semantic_min_reuse_tokens: int = Field(default=512, ge=1,
+                                           description="Semantic tier: fewest tokens.")
+    semantic_tiers: frozenset[QualityTier] = Field(
+        default=frozenset({QualityTier.VERIFIED}),
+        description="Non-exact tiers materialize_semantic may load (exact is always allowed).")
     block_aligned_only: bool = True
     lookup_timeout_ms: float = Field(default=50.0, gt=0.0, le=60_000.0)
     max_donors: int = Field(default=10_000, ge=1)

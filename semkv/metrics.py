@@ -15,8 +15,19 @@ from collections.abc import Iterable, Mapping
 
 # family -> (label name or None, help text)
 FAMILIES: dict[str, tuple[str | None, str]] = {
-    "lookups": (None, "Requests that semkv looked up a donor for."),
-    "hits": ("tier", "Requests served donor KV, by quality tier."),
+    "lookup_requests": (None, "Decisions made (one per request, again after a preemption)."),
+    "lookup_hits": ("tier", "Decisions that admitted a donor span, by quality tier."),
+    "lookup_misses": (None, "Decisions where the provider proposed no candidate."),
+    "lookup_rejected": ("reason", "Decisions that rejected every candidate, by reason."),
+    "lookup_errors": ("kind", "Provider calls that raised, timed out or returned malformed output."),
+    "lookup_deferred": (None, "Scheduler steps a request waited for its asynchronous lookup."),
+    "materialize_requests": ("tier", "Loads planned into engine blocks, by tier."),
+    "materialize_success": ("tier", "Requests whose planned load the workers confirmed, by tier."),
+    "materialize_recompute": ("reason", "Admitted spans computed by the engine after all, by reason."),
+    "materialize_failed": (None, "Loads the workers could not complete (stale slot, copy error)."),
+    "invalid_blocks": (None, "Blocks reported invalid to vLLM after a failed or stale load."),
+    "donor_registrations": (None, "Donors handed to the provider."),
+    "donor_evictions": (None, "Donors dropped from the provider."),
     "fallbacks": ("reason", "Requests that fell back to normal prefill, by reason."),
     "provenance": ("outcome", "Finished requests by the class of reuse that happened."),
     "external_tokens": ("tier", "Tokens reported to the engine as externally computed."),
@@ -24,18 +35,28 @@ FAMILIES: dict[str, tuple[str | None, str]] = {
     "loaded_tokens": (None, "Tokens whose KV the worker actually copied in (confirmed)."),
     "loaded_blocks": (None, "Blocks copied from the donor store into engine blocks."),
     "saved_blocks": (None, "Blocks copied from engine blocks into the donor store."),
-    "load_errors": (None, "Blocks reported invalid after a failed or stale load."),
-    "donors_registered": (None, "Donors handed to the provider."),
-    "donors_evicted": (None, "Donors dropped from the provider."),
-    "provider_errors": ("kind", "Provider calls that raised, timed out or returned malformed output."),
+    "request_only_blocks": (None, "Blocks served request-only: never exact prefix-cache state."),
 }
 GAUGES: dict[str, str] = {
     "donor_store_bytes": "Bytes of donor KV held in the store.",
     "donors": "Donors currently registered.",
     "live_leases": "Donor leases currently held.",
 }
-HISTOGRAMS: dict[str, str] = {
-    "lookup_seconds": "Time from lookup start to decision (provider plus admission).",
+_TOKENS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+_FRACTION = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+# name -> (help text, buckets); one observation per decision or per load
+HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "lookup_seconds": ("Time from lookup start to decision (provider plus admission).",
+                       (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)),
+    "save_seconds": ("Worker time per step copying finished prompt blocks into the donor store.",
+                     (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)),
+    "load_seconds": ("Worker time per step copying donor KV into engine blocks (all-at-once).",
+                     (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)),
+    "request_external_tokens": ("External tokens reported per admitted request.", _TOKENS),
+    "request_loaded_tokens": ("Tokens actually loaded per request (worker-confirmed).", _TOKENS),
+    "request_similarity": ("Served tokens identical to the target's own, per admitted request.",
+                           _FRACTION),
+    "request_reuse_ratio": ("External tokens over prompt tokens, per admitted request.", _FRACTION),
 }
 
 

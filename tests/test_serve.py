@@ -97,7 +97,8 @@ def test_serve_answers_and_metrics_move(server):
         if _metric(text, "vllm:semkv_loaded_tokens_total") > 0:
             break
         time.sleep(1)
-    assert _metric(text, "vllm:semkv_lookups_total") >= 2
+    assert _metric(text, "vllm:semkv_lookup_requests_total") >= 2
     assert _metric(text, "vllm:semkv_loaded_tokens_total") >= 64
-    assert re.search(r'vllm:semkv_hits_total\{[^}]*tier="exact"[^}]*\} [1-9]', text)
+    assert re.search(r'vllm:semkv_materialize_success_total\{[^}]*tier="exact"[^}]*\} [1-9]', text)
+    assert _metric(text, "vllm:semkv_request_loaded_tokens_count") >= 1  # histograms move too
     assert prompt[:40] not in text  # no prompt text in metrics

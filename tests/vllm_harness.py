@@ -47,13 +47,13 @@ def token_value(tokens: list[int], position: int) -> float:
 
 
 def make_vllm_config(extra: dict[str, Any], *, num_batched: int = 4096,
-                     policy: str = "recompute") -> VllmConfig:
+                     policy: str = "recompute", scheduler_cls: type | None = None) -> VllmConfig:
     model = ModelConfig(model=str(ensure_model()), dtype="float32", seed=0, max_model_len=4096)
     return VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(
             max_num_seqs=16, max_num_batched_tokens=num_batched, max_model_len=4096,
-            enable_chunked_prefill=True, is_encoder_decoder=False),
+            enable_chunked_prefill=True, is_encoder_decoder=False, scheduler_cls=scheduler_cls),
         cache_config=CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.3,
                                  enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(
@@ -164,7 +164,8 @@ def make_harness(extra: dict[str, Any], *, num_blocks: int = 400, num_batched: i
         _hash_ready = True
     from semkv_vllm.connector import SemanticKVConnector
 
-    config = make_vllm_config(extra, num_batched=num_batched, policy=policy)
+    config = make_vllm_config(extra, num_batched=num_batched, policy=policy,
+                              scheduler_cls=scheduler_cls)
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layer.0"], FullAttentionSpec(
@@ -176,4 +177,10 @@ def make_harness(extra: dict[str, Any], *, num_blocks: int = 400, num_batched: i
     worker = SemanticKVConnector(config, KVConnectorRole.WORKER, kv_cache_config)
     kv = torch.zeros((num_blocks, HEADS, BLOCK, 2 * HEAD_SIZE), dtype=torch.float32)
     worker.register_kv_caches({"layer.0": kv})
+    if worker._worker is not None and worker._semantic:
+        # No attention kernel runs here: the fake forward writes the logical view token-major,
+        # so that is the layout token-level loads must use (the real engine probes its kernel).
+        from semkv_vllm.page_layout import PageLayout
+
+        worker._worker.layout = PageLayout.token_major(tuple(kv.shape[1:]))
     return Harness(scheduler, worker, kv)

@@ -43,7 +43,7 @@ class CommitPolicyScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         coordinator = self.kv_cache_manager.coordinator
         commit = coordinator.cache_blocks
-        connector = self.connector
+        connector = _policy_connector(self.connector)
         ask = getattr(connector, "get_external_kv_cache_policy", None)
         if ask is None:
             return  # no connector, or one without a policy: vLLM's behaviour, unchanged
@@ -56,3 +56,14 @@ class CommitPolicyScheduler(Scheduler):
         coordinator.cache_blocks = cache_blocks  # type: ignore[method-assign]
         if connector is not None and hasattr(connector, "commit_policy_enforced"):
             connector.commit_policy_enforced = True
+
+
+def _policy_connector(connector: Any) -> Any:
+    """The connector that answers the policy: itself, or a child of vLLM's MultiConnector."""
+    if connector is None or hasattr(connector, "get_external_kv_cache_policy"):
+        return connector
+    children = [c for c in getattr(connector, "sub_connectors", ())
+                if hasattr(c, "get_external_kv_cache_policy")]
+    if len(children) > 1:
+        raise ValueError("more than one child connector declares a cache-commit policy")
+    return children[0] if children else None

@@ -30,13 +30,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from semkv.config import SemkvConfig
+from semkv.config import ConfigError, SemkvConfig
 from semkv.log import get_logger
 from semkv.lookup import GuardedProvider
 from semkv.provider import ProviderContext
 from semkv.types import Mode
 from semkv_vllm.commit_policy import ExternalKVCachePolicy
 from semkv_vllm.namespace import namespace_from_vllm_config
+from semkv_vllm.page_layout import PageLayout, backend_writer
+from semkv_vllm.rope import RopeShift
 from semkv_vllm.scheduler import SchedulerSide, make_detokenizer
 from semkv_vllm.stats import SemkvConnectorStats, SemkvPromMetrics
 from semkv_vllm.worker import WorkerSide
@@ -81,6 +83,54 @@ def _build_provider(config: SemkvConfig, vllm_config: VllmConfig, block_size: in
     return GuardedProvider(provider, timeout_s=config.lookup_timeout_ms / 1e3)
 
 
+def request_only_possible(vllm_config: VllmConfig) -> bool:
+    """Can REQUEST_ONLY be enforced: prefix caching off, or the commit-policy scheduler on."""
+    if not vllm_config.cache_config.enable_prefix_caching:
+        return True
+    from semkv_vllm.commit_policy import CommitPolicyScheduler
+
+    try:
+        cls = vllm_config.scheduler_config.get_scheduler_cls()
+    except Exception:  # noqa: BLE001 - an unresolvable class is vLLM's error to raise
+        return False
+    return isinstance(cls, type) and issubclass(cls, CommitPolicyScheduler)
+
+
+def engine_limit(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str | None:
+    """Why this engine's requests cannot take donor KV (None when they can)."""
+    if len(kv_cache_config.kv_cache_groups) != 1:
+        return "several KV-cache groups (hybrid, Mamba or sliding-window layers)"
+    if vllm_config.speculative_config is not None:
+        return "speculative decoding"
+    if vllm_config.model_config.is_encoder_decoder:
+        return "encoder-decoder model"
+    return None
+
+
+def _check_semantic_setup(config: SemkvConfig, vllm_config: VllmConfig) -> None:
+    if config.semantic_mode is Mode.MATERIALIZE_SEMANTIC and config.semantic_tiers and (
+            not request_only_possible(vllm_config)):
+        raise ConfigError(
+            "semantic_mode=materialize_semantic needs REQUEST_ONLY enforcement: start vLLM with "
+            "--scheduler-cls semkv_vllm.commit_policy.CommitPolicyScheduler (or with prefix "
+            "caching off), or set semantic_tiers to [] to load the exact tier only")
+
+
+def _probe_layout(vllm_config: VllmConfig, kv_caches: dict[str, Any]) -> PageLayout | None:
+    """Learn the page interior from the first attention layer's own cache-write kernel."""
+    layers = vllm_config.compilation_config.static_forward_context
+    for name, kv in kv_caches.items():
+        writer = backend_writer(layers.get(name))
+        if writer is None:
+            continue
+        try:
+            return PageLayout.probe(writer, tuple(kv.shape[1:]), kv.dtype, kv.device)
+        except Exception as exc:  # noqa: BLE001 - unknown layout: token-level loads refused
+            log.warning("page_layout_probe_failed", error_type=type(exc).__name__)
+            return None
+    return None
+
+
 class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
@@ -89,23 +139,34 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.config = SemkvConfig.load(extra)
+        _check_semantic_setup(self.config, vllm_config)
+        semantic = (self.config.semantic_mode is Mode.MATERIALIZE_SEMANTIC
+                    and bool(self.config.semantic_tiers))
+        rope = RopeShift.from_vllm_config(vllm_config) if semantic else None
         slots, per_slot = store_geometry(self.config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self.commit_policy_enforced = False  # set by CommitPolicyScheduler
         if role == KVConnectorRole.SCHEDULER:
             block_size = vllm_config.cache_config.block_size
+            limit = engine_limit(vllm_config, kv_cache_config)
+            if limit is not None:  # every request falls back as unsupported_request, counted
+                log.warning("semkv_engine_unsupported", why=limit)
             provider = (None if self.config.semantic_mode is Mode.DISABLED
                         else _build_provider(self.config, vllm_config, block_size))
             self._scheduler = SchedulerSide(
                 self.config, block_size=block_size,
                 namespace=namespace_from_vllm_config(vllm_config), num_slots=slots,
                 bytes_per_slot=per_slot,
-                single_group=len(kv_cache_config.kv_cache_groups) == 1, provider=provider)
+                engine_supported=limit is None, provider=provider,
+                can_shift=rope is not None,
+                request_only_enforced=lambda: (self.commit_policy_enforced
+                                               or not vllm_config.cache_config.enable_prefix_caching))
             log.info("semkv_connector_ready", mode=str(self.config.semantic_mode),
                      provider=self.config.provider, slots=slots, bytes_per_slot=per_slot)
         else:
-            self._worker = WorkerSide(slots, layerwise=self.config.layerwise_load)
+            self._worker = WorkerSide(slots, layerwise=self.config.layerwise_load, rope=rope)
+        self._semantic = semantic
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -116,6 +177,9 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         if self.config.semantic_mode in (Mode.MATERIALIZE_EXACT, Mode.MATERIALIZE_SEMANTIC):
             self._worker.register_kv_caches(kv_caches)
+        if self._semantic:
+            self._worker.layout = _probe_layout(self._vllm_config, kv_caches)
+            log.info("page_layout", known=self._worker.layout is not None)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

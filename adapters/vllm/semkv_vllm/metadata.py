@@ -16,13 +16,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 @dataclass
 class LoadOp:
-    """Copy donor-store slots into a request's engine blocks (whole blocks, every layer)."""
+    """Copy donor-store slots into a request's engine blocks (every layer).
+
+    Exact tier (``segments`` is None): slot i is copied whole into block i. Verified and
+    semantic tiers: ``slots`` hold donor blocks ``donor_first_block`` onwards, and ``segments``
+    ``(target position, donor position, length)`` say which donor token serves each target
+    position from ``target_start`` on; keys are re-rotated where the two positions differ.
+    """
 
     request_id: str
     slots: list[int]
     generations: list[int]
     block_ids: list[int]
     asynchronous: bool = False
+    segments: list[tuple[int, int, int]] | None = None
+    donor_first_block: int = 0
+    target_start: int = 0
 
 
 @dataclass

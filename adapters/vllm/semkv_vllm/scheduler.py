@@ -81,14 +81,17 @@ class _Req:
 
 class SchedulerSide:
     def __init__(self, config: SemkvConfig, *, block_size: int, namespace: Namespace,
-                 num_slots: int, bytes_per_slot: int, single_group: bool,
-                 provider: GuardedProvider | None) -> None:
+                 num_slots: int, bytes_per_slot: int, engine_supported: bool,
+                 provider: GuardedProvider | None, can_shift: bool = False,
+                 request_only_enforced: Callable[[], bool] = lambda: False) -> None:
         self.config = config
         self.bs = block_size
         self.namespace = namespace
         self.bytes_per_slot = bytes_per_slot
-        self.single_group = single_group
+        self.engine_supported = engine_supported
         self.provider = provider
+        self.can_shift = can_shift  # positions of this model's keys can be moved (RoPE)
+        self.request_only_enforced = request_only_enforced
         self.materialize = config.semantic_mode in (Mode.MATERIALIZE_EXACT, Mode.MATERIALIZE_SEMANTIC)
         self.index = StoreIndex(num_slots)
         self.leases = LeaseTable()
@@ -113,7 +116,7 @@ class SchedulerSide:
                 cache_salt=request.cache_salt,
             )
             st = self.requests[request.request_id] = _Req(request, ns)
-            st.may_save = self._supported(request)
+            st.may_save = self.engine_supported and self._supported(request)
         return st
 
     @staticmethod
@@ -154,15 +157,28 @@ class SchedulerSide:
         started = time.perf_counter()
         decision = self._decide(st, local)
         if decision is None:
+            self.stats.inc("lookup_deferred")
             return None, False  # async lookup still running within its budget
         st.decision, st.decided_for = decision, key
-        self.stats.inc("lookups")
+        self._count_decision(decision, len(request.all_token_ids))
         self.stats.observe("lookup_seconds", time.perf_counter() - started)
         if decision.is_hit:
             st.answer = (decision.external_prefix_tokens, self.config.async_load)
         else:
             st.answer = (0, False)
         return st.answer
+
+    def _count_decision(self, d: SemanticKVMatch, prompt_tokens: int) -> None:
+        self.stats.inc("lookup_requests")
+        if d.is_hit:
+            self.stats.inc("lookup_hits", d.quality_tier)
+            self.stats.observe("request_external_tokens", d.external_prefix_tokens)
+            self.stats.observe("request_similarity", d.similarity)
+            self.stats.observe("request_reuse_ratio", d.external_prefix_tokens / max(prompt_tokens, 1))
+        elif d.fallback_reason is FallbackReason.PROVIDER_MISS:
+            self.stats.inc("lookup_misses")
+        elif d.fallback_reason not in (FallbackReason.PROVIDER_ERROR, FallbackReason.PROVIDER_TIMEOUT):
+            self.stats.inc("lookup_rejected", d.fallback_reason)  # errors: lookup_errors
 
     def _decide(self, st: _Req, local: int) -> SemanticKVMatch | None:
         rid = st.request.request_id
@@ -171,7 +187,7 @@ class SchedulerSide:
                            synchronous=not self.config.async_load) == 0:
             return SemanticKVMatch.fallback(rid, FallbackReason.EXACT_PREFIX_SUFFICIENT,
                                             local_prefix_tokens=local)
-        if not (self.single_group and self._supported(st.request)):
+        if not (self.engine_supported and self._supported(st.request)):
             return SemanticKVMatch.fallback(rid, FallbackReason.UNSUPPORTED_REQUEST)
         if not st.namespace.is_complete:
             return SemanticKVMatch.fallback(rid, FallbackReason.NAMESPACE_MISMATCH)
@@ -183,10 +199,24 @@ class SchedulerSide:
         match, st.assessment = self.admission.decide(
             rid, tokens, local, result.candidates, self._donor_view, self.leases.acquire,
             st.namespace, synchronous=not self.config.async_load)
+        if match.is_hit and match.quality_tier is not QualityTier.EXACT:
+            refusal = self._refuse_non_exact(st.assessment)
+            if refusal is not None:
+                self.leases.release(match.donor_lease_id or "")
+                return SemanticKVMatch.fallback(rid, refusal, local_prefix_tokens=local)
         if match.is_hit and not self._pin(st, match):
             self.leases.release(match.donor_lease_id or "")
             return SemanticKVMatch.fallback(rid, FallbackReason.DONOR_STALE, local_prefix_tokens=local)
         return match
+
+    def _refuse_non_exact(self, assessment: Assessment | None) -> FallbackReason | None:
+        """Engine-side conditions for request-only reuse (admission judged the tokens)."""
+        if not self.request_only_enforced():
+            return FallbackReason.RECOMPUTE_POLICY  # loaded KV could become exact cache state
+        span = assessment.span if assessment is not None else None
+        if span is None or (span.shifted and not self.can_shift):
+            return FallbackReason.UNSUPPORTED_REQUEST
+        return None
 
     def _lookup(self, st: _Req, local: int) -> LookupResult | None:
         assert self.provider is not None
@@ -211,14 +241,22 @@ class SchedulerSide:
         if not self.materialize:
             return True
         donor = self.donors[match.donor_id or ""]
-        first = match.local_prefix_tokens // self.bs
-        found = [self.index.get(k) for k in donor.keys[first : first + match.external_prefix_tokens // self.bs]]
+        first, count = self._donor_blocks(st, match)
+        found = [self.index.get(k) for k in donor.keys[first : first + count]]
         if any(f is None for f in found):
             return False
         st.pinned = [f[0] for f in found if f]
         st.generations = [f[1] for f in found if f]
         self.index.pin(st.pinned)
         return True
+
+    def _donor_blocks(self, st: _Req, match: SemanticKVMatch) -> tuple[int, int]:
+        """(first donor block, number of blocks) the load reads."""
+        span = st.assessment.span if st.assessment is not None else None
+        if match.quality_tier is QualityTier.EXACT or span is None:
+            return match.local_prefix_tokens // self.bs, match.external_prefix_tokens // self.bs
+        lo, hi = span.donor_range()
+        return lo // self.bs, (hi - 1) // self.bs - lo // self.bs + 1
 
     def _release(self, st: _Req) -> None:
         if st.decision is not None and st.decision.donor_lease_id:
@@ -243,16 +281,28 @@ class SchedulerSide:
         if num_external != st.decision.external_prefix_tokens or not self.materialize:
             # The engine did not take our span (e.g. its local partial block won): no load.
             local = st.decision.local_prefix_tokens
+            if self.materialize:
+                self.stats.inc("materialize_recompute", FallbackReason.EXACT_PREFIX_SUFFICIENT)
             self._release(st)
             st.decision = SemanticKVMatch.fallback(
                 request.request_id, FallbackReason.EXACT_PREFIX_SUFFICIENT, local_prefix_tokens=local)
             st.decided_for = (local, request.num_preemptions)
             return
         block_ids = blocks.get_block_ids()[0]
-        first = st.decision.local_prefix_tokens // self.bs
-        targets = list(block_ids[first : first + len(st.pinned)])
-        self.pending_loads.append(LoadOp(request.request_id, list(st.pinned), list(st.generations),
-                                         targets, asynchronous=self.config.async_load))
+        d = st.decision
+        first = d.local_prefix_tokens // self.bs
+        targets = list(block_ids[first : first + d.external_prefix_tokens // self.bs])
+        op = LoadOp(request.request_id, list(st.pinned), list(st.generations), targets,
+                    asynchronous=self.config.async_load)
+        span = st.assessment.span if st.assessment is not None else None
+        if d.quality_tier is not QualityTier.EXACT and span is not None:
+            op.segments = list(span.segments)
+            op.donor_first_block = span.donor_range()[0] // self.bs
+            op.target_start = span.target_start
+            st.may_save = False  # request-only KV never becomes a donor either
+            self.stats.inc("request_only_blocks", amount=len(targets))
+        self.pending_loads.append(op)
+        self.stats.inc("materialize_requests", d.quality_tier)
         st.planned = True
 
     def build_connector_meta(self, scheduler_output: Any) -> SemkvMetadata:
@@ -322,7 +372,7 @@ class SchedulerSide:
         self.leases.publish(donor_id)
         self.provider.register(DonorRecord(donor_id=donor_id, namespace=st.namespace.digest,
                                            token_ids=tuple(tokens)))
-        self.stats.inc("donors_registered")
+        self.stats.inc("donor_registrations")
         self._trim_donors()
 
     def _trim_donors(self) -> None:
@@ -338,7 +388,7 @@ class SchedulerSide:
             del self.donor_by_tail[donor.keys[-1]]
         assert self.provider is not None
         self.provider.evict(donor_id)
-        self.stats.inc("donors_evicted")
+        self.stats.inc("donor_evictions")
 
     # -- worker feedback and finish ----------------------------------------------------------
     def update_connector_output(self, worker_meta: Any) -> None:
@@ -348,6 +398,7 @@ class SchedulerSide:
         # output, so the counter counts confirmations whether or not the request is still here.
         for rid, blocks in worker_meta.loaded_blocks.items():
             self.stats.inc("loaded_tokens", amount=blocks * self.bs)
+            self.stats.observe("request_loaded_tokens", blocks * self.bs)
             st = self.requests.get(rid)
             if st is not None:
                 st.loaded_tokens = blocks * self.bs
@@ -361,6 +412,7 @@ class SchedulerSide:
         if st is None:
             return None
         summary = self._account(st)
+        log.info("provenance", request_id=request.request_id, **summary)  # counts only, no text
         self._release(st)
         if self.provider is not None:
             self.provider.forget(request.request_id)
@@ -373,10 +425,12 @@ class SchedulerSide:
             tier = d.quality_tier or QualityTier.EXACT
             outcome = (Provenance.EXACT_EXTERNAL_KV_HIT if tier is QualityTier.EXACT
                        else Provenance.REQUEST_ONLY_SEMANTIC_REUSE)
-            self.stats.inc("hits", tier)
+            self.stats.inc("materialize_success", tier)
             self.stats.inc("external_tokens", tier, d.external_prefix_tokens)
             reason = None
         else:
+            if st.load_failed:
+                self.stats.inc("materialize_recompute", FallbackReason.LOAD_FAILED)
             reason = (FallbackReason.LOAD_FAILED if st.load_failed
                       else d.fallback_reason if d is not None and d.fallback_reason
                       else FallbackReason.PROVIDER_MISS if d is not None
@@ -404,13 +458,16 @@ class SchedulerSide:
             # 0 when the request stopped in the very step of its load (see update_connector_output)
             "confirmed_loaded_tokens": st.loaded_tokens,
             "donor_id": d.donor_id if d is not None else None,
+            # served tokens identical to the target's own (1.0 for exact/verified hits)
+            "similarity": d.similarity if d is not None and tier is not None else None,
         }
 
     # -- lifecycle ---------------------------------------------------------------------------
     def reset(self) -> None:
         for st in self.requests.values():
             self._release(st)
-            st.saved_blocks, st.registered, st.may_save = 0, False, self._supported(st.request)
+            st.saved_blocks, st.registered, st.may_save = 0, False, (
+                self.engine_supported and self._supported(st.request))
         self.leases.release_all()
         self.pending_loads = []
         self.index.clear()
@@ -430,7 +487,7 @@ class SchedulerSide:
             for kind, value in self.provider.counters.items():
                 delta = value - self._exported.get(kind, 0)
                 if delta:
-                    self.stats.inc("provider_errors", kind, delta)
+                    self.stats.inc("lookup_errors", kind, delta)
                     self._exported[kind] = value
         self.stats.set("donor_store_bytes", len(self.index) * self.bytes_per_slot)
         self.stats.set("donors", len(self.donors))

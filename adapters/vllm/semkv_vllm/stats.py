@@ -45,12 +45,13 @@ class SemkvConnectorStats(KVConnectorStats):
         for name, values in bag.observations.items():
             if values:
                 ordered = sorted(values)
-                out[f"{name}_p50_ms"] = round(ordered[len(ordered) // 2] * 1e3, 3)
-                out[f"{name}_max_ms"] = round(ordered[-1] * 1e3, 3)
+                if name.endswith("_seconds"):
+                    out[f"{name}_p50_ms"] = round(ordered[len(ordered) // 2] * 1e3, 3)
+                    out[f"{name}_max_ms"] = round(ordered[-1] * 1e3, 3)
+                else:
+                    out[f"{name}_p50"] = ordered[len(ordered) // 2]
+                    out[f"{name}_max"] = ordered[-1]
         return out
-
-
-LOOKUP_BUCKETS = [1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0]
 
 
 class SemkvPromMetrics(KVConnectorPromMetrics):
@@ -69,8 +70,8 @@ class SemkvPromMetrics(KVConnectorPromMetrics):
         }
         self._histograms = {
             name: self._histogram_cls(name=f"vllm:semkv_{name}", documentation=doc,
-                                      labelnames=labelnames, buckets=LOOKUP_BUCKETS)
-            for name, doc in HISTOGRAMS.items()
+                                      labelnames=labelnames, buckets=list(buckets))
+            for name, (doc, buckets) in HISTOGRAMS.items()
         }
 
     def observe(self, transfer_stats_data: dict[str, Any] | None, engine_idx: int = 0) -> None:

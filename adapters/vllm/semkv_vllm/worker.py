@@ -7,6 +7,10 @@ when the step has a synchronous load, else after it) -> per layer ``wait_for_lay
 
 NOTE: a load whose slot does not hold the generation the scheduler expects (never saved, or
 overwritten) is not copied; its blocks are reported invalid so vLLM recomputes them.
+NOTE: verified/semantic loads (``LoadOp.segments``) go token by token: donor pages are read
+through the ``PageLayout`` probed from the engine's own cache-write kernel, keys are moved to
+their new positions with ``RopeShift``, and whole target blocks are written back. Without a
+known layout (or a needed shift without a RopeShift) such a load fails and is recomputed.
 NOTE: saves run in ``wait_for_save``, after the whole forward, and only cover blocks whose
 every token was computed by the end of this step (the scheduler guarantees it), so chunked
 prefill never stores a partial block.
@@ -23,14 +27,20 @@ from semkv.log import get_logger
 from semkv.metrics import CounterBag
 from semkv_vllm.block_copy import allocate_store, copy_blocks
 from semkv_vllm.metadata import LoadOp, SaveOp, SemkvMetadata, SemkvWorkerMetadata
+from semkv_vllm.page_layout import PageLayout
+from semkv_vllm.rope import RopeShift
 
 log = get_logger("semkv.vllm.worker")
 
 
 class WorkerSide:
-    def __init__(self, num_slots: int, *, layerwise: bool = False) -> None:
+    def __init__(self, num_slots: int, *, layerwise: bool = False,
+                 rope: RopeShift | None = None) -> None:
         self.num_slots = num_slots
         self.layerwise = layerwise
+        self.rope = rope
+        self.layout: PageLayout | None = None  # set when the pages' interior is known
+        self._maps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.store: dict[str, torch.Tensor] = {}
         self.slot_generation = [0] * num_slots
@@ -41,6 +51,7 @@ class WorkerSide:
         self._invalid_blocks: set[int] = set()
         self._loaded: dict[str, int] = {}
         self._failed: set[str] = set()
+        self._failed_counted: set[str] = set()  # one materialize_failed per request and step
 
     # -- setup -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -74,14 +85,13 @@ class WorkerSide:
                     self._pending_layers.setdefault(name, []).append(op)
                 continue
             try:
-                for name, kv in self.kv_caches.items():
-                    copy_blocks(self.store[name], op.slots, kv, op.block_ids)
+                for name in self.kv_caches:
+                    self._load_layer(op, name)
             except Exception as exc:  # noqa: BLE001 - a failed copy becomes a recompute
                 self._fail(op, type(exc).__name__)
                 continue
             self._done(op)
-        log.debug("loads_done", ops=len(self._meta.loads),
-                  ms=round((time.perf_counter() - started) * 1e3, 3))
+        self.stats.observe("load_seconds", time.perf_counter() - started)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         ops = self._pending_layers.pop(layer_name, None)
@@ -89,18 +99,51 @@ class WorkerSide:
             return
         for op in ops:
             try:
-                copy_blocks(self.store[layer_name], op.slots, self.kv_caches[layer_name],
-                            op.block_ids)
+                self._load_layer(op, layer_name)
             except Exception as exc:  # noqa: BLE001
                 self._fail(op, type(exc).__name__)
                 continue
             if not self._pending_layers_for(op):
                 self._done(op, counted=op.request_id not in self._failed)
 
+    def _load_layer(self, op: LoadOp, name: str) -> None:
+        kv = self.kv_caches[name]
+        if op.segments is None:
+            copy_blocks(self.store[name], op.slots, kv, op.block_ids)
+            return
+        if self.layout is None:
+            raise RuntimeError("page layout unknown: token-level loads are not possible")
+        source, deltas = self._token_map(op)
+        pages = self.store[name].index_select(0, torch.as_tensor(op.slots, dtype=torch.long))
+        keys, values = self.layout.read(pages.to(kv.device))
+        keys, values = keys[source.to(kv.device)], values[source.to(kv.device)]
+        if bool(deltas.any()):
+            if self.rope is None:
+                raise RuntimeError("positions cannot be moved for this model")
+            keys = self.rope.rotate(keys.cpu(), deltas).to(kv.device)
+        self.layout.write(kv, op.block_ids, keys, values)
+
+    def _token_map(self, op: LoadOp) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per target token: index into the op's donor pages, and its position shift."""
+        cached = self._maps.get(id(op))
+        if cached is not None:
+            return cached
+        assert op.segments is not None
+        base = op.donor_first_block * self.layout.block_size if self.layout else 0
+        donor_pos = [d + i for _, d, n in op.segments for i in range(n)]
+        target_pos = [t + i for t, _, n in op.segments for i in range(n)]
+        if len(target_pos) != len(op.block_ids) * (self.layout.block_size if self.layout else 0):
+            raise ValueError("segments do not cover the target blocks exactly")
+        source = torch.as_tensor(donor_pos, dtype=torch.long) - base
+        deltas = torch.as_tensor(target_pos, dtype=torch.long) - torch.as_tensor(donor_pos)
+        self._maps[id(op)] = (source, deltas)
+        return source, deltas
+
     def _pending_layers_for(self, op: LoadOp) -> bool:
         return any(op in ops for ops in self._pending_layers.values())
 
     def _done(self, op: LoadOp, counted: bool = True) -> None:
+        self._maps.pop(id(op), None)
         if counted:
             self._loaded[op.request_id] = len(op.block_ids)
             self.stats.inc("loaded_blocks", amount=len(op.block_ids))
@@ -108,10 +151,14 @@ class WorkerSide:
             self._finished_recving.add(op.request_id)
 
     def _fail(self, op: LoadOp, why: str) -> None:
+        self._maps.pop(id(op), None)
         self._invalid_blocks.update(op.block_ids)
         self._failed.add(op.request_id)
         self._loaded.pop(op.request_id, None)
-        self.stats.inc("load_errors", amount=len(op.block_ids))
+        if op.request_id not in self._failed_counted:  # layerwise loads fail once per layer
+            self._failed_counted.add(op.request_id)
+            self.stats.inc("materialize_failed")
+            self.stats.inc("invalid_blocks", amount=len(op.block_ids))
         if op.asynchronous:
             self._finished_recving.add(op.request_id)
         log.warning("load_failed", request_id=op.request_id, blocks=len(op.block_ids), why=why)
@@ -120,8 +167,10 @@ class WorkerSide:
     def wait_for_save(self) -> None:
         if self._meta is None or not self._meta.saves:
             return
+        started = time.perf_counter()
         for op in self._meta.saves:
             self._save(op)
+        self.stats.observe("save_seconds", time.perf_counter() - started)
 
     def _save(self, op: SaveOp) -> None:
         try:
@@ -149,5 +198,5 @@ class WorkerSide:
         if not self._loaded and not self._failed:
             return None
         meta = SemkvWorkerMetadata(dict(self._loaded), set(self._failed))
-        self._loaded, self._failed = {}, set()
+        self._loaded, self._failed, self._failed_counted = {}, set(), set()
         return meta

@@ -1,0 +1,154 @@
+"""Token maps for non-identical reuse: which donor token serves each target position.
+
+Protocol: admission calls ``map_span(target, donor, start, ...)`` for a target span that begins
+at ``start`` (the end of the local exact prefix). It walks the target from ``start`` and picks,
+for every position, the donor position whose KV will serve it:
+
+- while target and donor agree token by token, the run simply continues;
+- where they stop agreeing, the next ``anchor_tokens`` target tokens are looked up in the
+  donor; if they occur there, the map jumps to that donor position (a shifted copy: other
+  instruction lengths, reordered chunks, inserted sentences);
+- otherwise the map advances positionally, and that position counts as a token difference.
+
+The result is a ``SpanMap``: runs of consecutive donor positions (``segments``), how many mapped
+tokens differ, and whether any run is shifted (needs positional re-rotation). The tier follows:
+no difference and no shift = exact, no difference but shifted = verified, any difference =
+semantic. ``agreement`` is the fraction of mapped tokens that are identical.
+
+The span length is the longest whole-block span whose agreement, overall and in its last
+block, stays at or above ``min_agreement`` (capped at ``max_tokens``, and never past the donor's
+end), so the costly shared body is served and a differing tail (the question) is computed.
+
+NOTE: positions only, never token ids, leave this module; a SpanMap is safe to log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from semkv.types import QualityTier
+
+DEFAULT_ANCHOR_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class SpanMap:
+    """Target ``[target_start, target_start + num_tokens)`` served by donor positions."""
+
+    target_start: int
+    num_tokens: int
+    segments: tuple[tuple[int, int, int], ...]  # (target position, donor position, length)
+    token_differences: int
+
+    @property
+    def agreement(self) -> float:
+        return 1.0 - self.token_differences / self.num_tokens if self.num_tokens else 0.0
+
+    @property
+    def shifted(self) -> bool:
+        return any(t != d for t, d, _ in self.segments)
+
+    @property
+    def tier(self) -> QualityTier:
+        if self.token_differences:
+            return QualityTier.SEMANTIC
+        return QualityTier.VERIFIED if self.shifted else QualityTier.EXACT
+
+    def donor_positions(self) -> list[int]:
+        return [d + i for _, d, n in self.segments for i in range(n)]
+
+    def donor_range(self) -> tuple[int, int]:
+        """Smallest and one-past-largest donor position used."""
+        lo = min(d for _, d, _ in self.segments)
+        hi = max(d + n for _, d, n in self.segments)
+        return lo, hi
+
+
+def _anchor_index(donor: Sequence[int], k: int) -> dict[tuple[int, ...], int]:
+    """First donor position of every k-gram (first occurrence wins: stable, left-most)."""
+    index: dict[tuple[int, ...], int] = {}
+    for i in range(len(donor) - k + 1):
+        index.setdefault(tuple(donor[i : i + k]), i)
+    return index
+
+
+def map_tokens(
+    target: Sequence[int],
+    donor: Sequence[int],
+    start: int,
+    end: int,
+    *,
+    anchor_tokens: int = DEFAULT_ANCHOR_TOKENS,
+) -> tuple[list[int], list[bool]]:
+    """Per target position in ``[start, end)``: the donor position and whether tokens match."""
+    if not donor or end <= start:
+        return [], []
+    k = max(1, anchor_tokens)
+    anchors = _anchor_index(donor, k)
+    last = len(donor) - 1
+    sources: list[int] = []
+    same: list[bool] = []
+    q = -1
+    for p in range(start, end):
+        nxt = q + 1 if q >= 0 else min(p, last)
+        if nxt > last or donor[nxt] != target[p]:
+            jump = anchors.get(tuple(target[p : p + k])) if p + k <= len(target) else None
+            if jump is not None:
+                nxt = jump
+            elif nxt > last:
+                break  # ran off the donor: no KV to serve from here on
+        q = nxt
+        sources.append(q)
+        same.append(donor[q] == target[p])
+    return sources, same
+
+
+def _segments(start: int, sources: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+    segs: list[tuple[int, int, int]] = []
+    for i, q in enumerate(sources):
+        p = start + i
+        if segs and segs[-1][1] + segs[-1][2] == q and segs[-1][0] + segs[-1][2] == p:
+            segs[-1] = (segs[-1][0], segs[-1][1], segs[-1][2] + 1)
+        else:
+            segs.append((p, q, 1))
+    return tuple(segs)
+
+
+def map_span(
+    target: Sequence[int],
+    donor: Sequence[int],
+    start: int,
+    block_size: int,
+    *,
+    max_tokens: int,
+    min_agreement: float = 0.0,
+    anchor_tokens: int = DEFAULT_ANCHOR_TOKENS,
+) -> SpanMap | None:
+    """The longest whole-block span from ``start`` whose agreement is >= ``min_agreement``.
+
+    ``donor`` must hold only the donor tokens whose KV can be served. None when no whole block
+    qualifies.
+    """
+    if block_size <= 0 or start < 0 or start % block_size:
+        raise ValueError("start must be a non-negative multiple of a positive block_size")
+    limit = min(max_tokens, len(target) - start)
+    limit -= limit % block_size
+    if limit <= 0 or not donor:
+        return None
+    sources, same = map_tokens(target, donor, start, start + limit, anchor_tokens=anchor_tokens)
+    best, diffs, best_diffs, block_diffs = 0, 0, 0, 0
+    for i, ok in enumerate(same, start=1):
+        diffs += not ok
+        block_diffs += not ok
+        if i % block_size:
+            continue
+        # The span may end here when it agrees enough overall AND its last block does too:
+        # a differing tail (typically the question) is left to compute.
+        if (1.0 - diffs / i >= min_agreement
+                and 1.0 - block_diffs / block_size >= min_agreement):
+            best, best_diffs = i, diffs
+        block_diffs = 0
+    if best == 0:
+        return None
+    return SpanMap(start, best, _segments(start, sources[:best]), best_diffs)

