@@ -1,21 +1,28 @@
 """TTFT of an exact-tier semkv hit vs vLLM's own prefix-cache hit vs cold, at several lengths.
 
-One run, two engines on the bundled model (vLLM CPU), one after the other:
+One run, two engines on the bundled model (vLLM CPU), both alive and used in turn so that
+machine load drifts hit both alike:
 - ``plain``: no connector. ``cold`` = a never-seen prompt; ``vllm_hit`` = the same prompt again
   (vLLM's own prefix cache, the ceiling of KV reuse);
-- ``semkv`` (materialize_exact, provider chunks): ``miss`` = a never-seen prompt (discovery runs,
-  the donor is saved); ``semkv_hit`` = the same prompt after vLLM's own cache was emptied (every
-  reused token comes from semkv's store); ``vllm_hit`` again for reference.
-TTFT = wall time of a 1-token generation, one request at a time. Medians over ``--reps``
-different documents per length. Prints a table of ratios and writes raw JSON.
+- ``semkv`` (materialize_exact, provider chunks): ``miss`` = the SAME never-seen prompt
+  (discovery runs, the donor is saved); ``semkv_hit`` = the same prompt after vLLM's own cache was
+  emptied (every reused token comes from semkv's store); ``vllm_hit`` again for reference.
+Both engines are bound to the same cores (``VLLM_CPU_OMP_THREADS_BIND``, default core 0).
+Cold and miss run on the same prompt back to back, their order alternating per repetition, so
+``miss/cold`` is a paired ratio. ``semkv share`` is semkv's own time in a miss (lookup and
+admission on the scheduler, donor-block saves on the worker, from its ``vllm:semkv_*_seconds``
+histograms) over the miss TTFT: the overhead attributable to semkv, free of engine-to-engine
+noise. TTFT = wall time of a 1-token generation, one request at a time.
+Medians over ``--reps`` different documents per length. Prints a table and writes raw JSON.
 
-    .venv/bin/python benchmarks/exact_ttft.py --lengths 1024 2048 4096 7168 --reps 3
+    .venv/bin/python benchmarks/exact_ttft.py --lengths 1024 2048 4096 7168 --reps 5
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -52,34 +59,49 @@ def build(extra: dict[str, Any] | None, max_len: int) -> Any:
 
     from semkv.bundled_model import ensure_model
 
-    kw: dict[str, Any] = dict(model=str(ensure_model()), dtype="float32", gpu_memory_utilization=0.3,
+    kw: dict[str, Any] = dict(model=str(ensure_model()), dtype="float32", gpu_memory_utilization=0.12,
                               max_model_len=max_len, enable_prefix_caching=True, enforce_eager=True)
     if extra is not None:
         kw["kv_transfer_config"] = dict(CONNECTOR, kv_connector_extra_config=extra)
     return LLM(**kw)
 
 
-def measure(llm: Any, prompts: list[str], semkv: bool) -> list[dict[str, Any]]:
-    rows = []
-    ttft(llm, "warm-up prompt: the engine's first forward is always cold")
-    for p in prompts:
-        first_s, first = ttft(llm, p)
-        row: dict[str, Any] = {"tokens": first["prompt_tokens"],
-                               "miss" if semkv else "cold": first_s}
-        if semkv:
-            llm.reset_prefix_cache()
-            row["semkv_hit"], summary = ttft(llm, p)
-            row["semkv_reused_tokens"] = summary.get("external_tokens", 0)
-            row["semkv_provenance"] = summary.get("provenance")
-        row["vllm_hit"], _ = ttft(llm, p)
-        rows.append(row)
-    return rows
+def semkv_seconds(llm: Any) -> float:
+    """semkv's own time so far: lookups + admission (scheduler) and donor saves (worker)."""
+    return sum(float(m.sum) for m in llm.get_metrics()
+               if m.name in ("vllm:semkv_lookup_seconds", "vllm:semkv_save_seconds")
+               and hasattr(m, "sum"))
+
+
+def measure_pair(plain: Any, semkv: Any, prompt: str, rep: int) -> dict[str, Any]:
+    """One repetition: cold and miss on the same fresh prompt (order alternating), then the hits."""
+    row: dict[str, Any] = {"rep": rep, "order": "cold_first" if rep % 2 == 0 else "miss_first"}
+    spent = semkv_seconds(semkv)
+    if rep % 2 == 0:
+        row["cold"], cold_info = ttft(plain, prompt)
+        row["miss"], miss_info = ttft(semkv, prompt)
+    else:
+        row["miss"], miss_info = ttft(semkv, prompt)
+        row["cold"], cold_info = ttft(plain, prompt)
+    row["miss_semkv_seconds"] = semkv_seconds(semkv) - spent
+    row["tokens"] = cold_info["prompt_tokens"]
+    row["miss_provenance"] = miss_info.get("provenance")
+    row["plain_vllm_hit"], _ = ttft(plain, prompt)
+    semkv.reset_prefix_cache()
+    row["semkv_hit"], summary = ttft(semkv, prompt)
+    row["semkv_reused_tokens"] = summary.get("external_tokens", 0)
+    row["semkv_provenance"] = summary.get("provenance")
+    row["vllm_hit"], _ = ttft(semkv, prompt)
+    return row
 
 
 def main() -> None:
+    # Both engines get the same cores. Left to vLLM's "auto", the first engine of a process is
+    # bound to one core (one reserved) and the second to all: an unfair comparison.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 7168])
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("bench-results/exact_ttft.json"))
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -88,36 +110,33 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(str(ensure_model()))
     max_len = max(args.lengths) + 256
-    plain_prompts = {n: prompts_of_length(tok, n, args.reps, "p") for n in args.lengths}
-    semkv_prompts = {n: prompts_of_length(tok, n, args.reps, "s") for n in args.lengths}
-    results: dict[str, Any] = {"lengths": args.lengths, "reps": args.reps, "plain": {}, "semkv": {}}
-    llm = build(None, max_len)
+    prompts = {n: prompts_of_length(tok, n, args.reps, "t") for n in args.lengths}
+    results: dict[str, Any] = {"lengths": args.lengths, "reps": args.reps, "rows": {}}
+    plain = build(None, max_len)
+    semkv = build({"provider": "chunks", "semantic_mode": "materialize_exact",
+                   "donor_store_bytes": "4GiB"}, max_len)
+    for llm in (plain, semkv):
+        ttft(llm, "warm-up prompt: the engine's first forward is always cold")
     for n in args.lengths:
-        results["plain"][n] = measure(llm, plain_prompts[n], semkv=False)
-    del llm
-    import gc
-
-    gc.collect()
-    llm = build({"provider": "chunks", "semantic_mode": "materialize_exact",
-                 "donor_store_bytes": "4GiB"}, max_len)
-    for n in args.lengths:
-        results["semkv"][n] = measure(llm, semkv_prompts[n], semkv=True)
+        results["rows"][n] = [measure_pair(plain, semkv, p, rep) for rep, p in enumerate(prompts[n])]
 
     med = statistics.median
     print(f"{'tokens':>7} {'cold s':>8} {'miss s':>8} {'vllm hit':>9} {'semkv hit':>10} "
-          f"{'miss/cold':>10} {'semkv/vllm hit':>15} {'cold/semkv':>11}")
+          f"{'miss/cold':>10} {'semkv share':>12} {'semkv/vllm hit':>15} {'cold/semkv':>11}")
     summary = {}
     for n in args.lengths:
-        p, s = results["plain"][n], results["semkv"][n]
-        row = {"cold": med(r["cold"] for r in p), "miss": med(r["miss"] for r in s),
-               "vllm_hit": med(r["vllm_hit"] for r in s), "semkv_hit": med(r["semkv_hit"] for r in s),
-               "plain_vllm_hit": med(r["vllm_hit"] for r in p)}
+        rows = results["rows"][n]
+        row = {k: med(r[k] for r in rows) for k in ("cold", "miss", "vllm_hit", "semkv_hit",
+                                                    "plain_vllm_hit")}
+        row["miss_over_cold_paired_median"] = med(r["miss"] / r["cold"] for r in rows)
+        row["semkv_share_of_miss"] = med(r["miss_semkv_seconds"] / r["miss"] for r in rows)
         row["miss_over_cold"] = row["miss"] / row["cold"]
         row["semkv_hit_over_vllm_hit"] = row["semkv_hit"] / row["vllm_hit"]
         row["cold_over_semkv_hit"] = row["cold"] / row["semkv_hit"]
         summary[n] = row
         print(f"{n:>7} {row['cold']:>8.3f} {row['miss']:>8.3f} {row['vllm_hit']:>9.3f} "
-              f"{row['semkv_hit']:>10.3f} {row['miss_over_cold']:>10.3f} "
+              f"{row['semkv_hit']:>10.3f} {row['miss_over_cold_paired_median']:>10.3f} "
+              f"{row['semkv_share_of_miss']:>12.4f} "
               f"{row['semkv_hit_over_vllm_hit']:>15.3f} {row['cold_over_semkv_hit']:>11.1f}")
     results["summary"] = summary
     args.out.parent.mkdir(parents=True, exist_ok=True)
