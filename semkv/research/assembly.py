@@ -1,0 +1,184 @@
+"""Which donor token serves which target position, and the target's KV assembled from them.
+
+Protocol:
+
+1. ``plan_reuse(target, donors)`` maps the whole target against every donor with
+   ``semkv.span_map.map_tokens`` (runs continue, anchors of 8 tokens jump to shifted copies),
+   then, per target chunk of ``chunk_tokens``, keeps the donor with the most identical tokens in
+   that chunk: one donor per chunk, several donors per target (reordered or mixed sources).
+2. A position is *reused* when its mapped donor token is identical (or any mapped token, with
+   ``reuse_mismatched``, the semantic approximation), it lies in a run of at least
+   ``min_run_tokens`` such positions served by consecutive positions of one donor (isolated
+   coincidental matches are not worth a load), and it is not the last prompt token (whose
+   logits start the generation, so it is always computed).
+3. ``assemble(plan, store, lm)`` writes each reused position's donor KV into a fresh cache, keys
+   re-rotated by (target position - donor position); other positions are left zero, for the
+   recompute strategy to fill.
+
+NOTE: a ReusePlan holds positions and donor ids only, never token ids: it is safe to log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from semkv.research.donors import DEFAULT_CHUNK_TOKENS, DonorStore
+from semkv.research.layers import KVCache, LayerwiseModel
+from semkv.span_map import DEFAULT_ANCHOR_TOKENS, map_tokens
+
+DEFAULT_MIN_RUN_TOKENS = 4
+NO_SOURCE = -1
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of reused target positions served by consecutive positions of one donor."""
+
+    target_start: int
+    donor_id: str
+    donor_start: int
+    length: int
+
+    @property
+    def shift(self) -> int:
+        return self.target_start - self.donor_start
+
+
+@dataclass(frozen=True)
+class ReusePlan:
+    num_tokens: int
+    donor_ids: tuple[str | None, ...]  # per target position: the serving donor, None if unmapped
+    donor_positions: tuple[int, ...]  # NO_SOURCE where unmapped
+    identical: tuple[bool, ...]  # the mapped donor token equals the target token
+    segments: tuple[Segment, ...]  # the reused positions, as runs
+
+    @property
+    def reused(self) -> list[bool]:
+        flags = [False] * self.num_tokens
+        for seg in self.segments:
+            flags[seg.target_start: seg.target_start + seg.length] = [True] * seg.length
+        return flags
+
+    @property
+    def reused_tokens(self) -> int:
+        return sum(seg.length for seg in self.segments)
+
+    @property
+    def shifted_tokens(self) -> int:
+        return sum(seg.length for seg in self.segments if seg.shift)
+
+    @property
+    def mismatched_reused_tokens(self) -> int:
+        return sum(not self.identical[seg.target_start + i]
+                   for seg in self.segments for i in range(seg.length))
+
+    def donors_used(self) -> list[str]:
+        return sorted({seg.donor_id for seg in self.segments})
+
+    def summary(self) -> dict[str, int | list[str]]:
+        """Counts only (safe to log)."""
+        return {"tokens": self.num_tokens, "reused": self.reused_tokens,
+                "shifted": self.shifted_tokens, "segments": len(self.segments),
+                "mismatched_reused": self.mismatched_reused_tokens, "donors": self.donors_used()}
+
+
+def _runs(
+    target_len: int, donor_ids: Sequence[str | None], positions: Sequence[int],
+    usable: Sequence[bool], min_run: int,
+) -> tuple[Segment, ...]:
+    segments: list[Segment] = []
+    p = 0
+    while p < target_len:
+        donor = donor_ids[p]
+        if not usable[p] or donor is None:
+            p += 1
+            continue
+        start = p
+        while (p + 1 < target_len and usable[p + 1] and donor_ids[p + 1] == donor
+               and positions[p + 1] == positions[p] + 1):
+            p += 1
+        length = p - start + 1
+        if length >= min_run:
+            segments.append(Segment(start, donor, positions[start], length))
+        p += 1
+    return tuple(segments)
+
+
+def plan_reuse(
+    target: Sequence[int],
+    donors: Mapping[str, Sequence[int]],
+    *,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    min_run_tokens: int = DEFAULT_MIN_RUN_TOKENS,
+    reuse_mismatched: bool = False,
+    anchor_tokens: int = DEFAULT_ANCHOR_TOKENS,
+) -> ReusePlan:
+    """The reuse plan of ``target`` from ``donors`` (best donor per chunk; ties: first given)."""
+    if chunk_tokens < 1:
+        raise ValueError("chunk_tokens must be positive")
+    n = len(target)
+    maps = {d: map_tokens(target, ids, 0, n, anchor_tokens=anchor_tokens)
+            for d, ids in donors.items()}
+    donor_ids: list[str | None] = [None] * n
+    positions = [NO_SOURCE] * n
+    identical = [False] * n
+    for start in range(0, n, chunk_tokens):
+        end = min(start + chunk_tokens, n)
+        best: str | None = None
+        best_score = -1
+        for donor, (_, same) in maps.items():
+            score = sum(same[start:end])
+            if score > best_score:
+                best, best_score = donor, score
+        if best is None:
+            continue
+        sources, same = maps[best]
+        for p in range(start, min(end, len(sources))):  # the map may stop at the donor's end
+            donor_ids[p], positions[p], identical[p] = best, sources[p], same[p]
+    usable = [(identical[p] or (reuse_mismatched and donor_ids[p] is not None)) and p != n - 1
+              for p in range(n)]
+    segments = _runs(n, donor_ids, positions, usable, max(1, min_run_tokens))
+    return ReusePlan(n, tuple(donor_ids), tuple(positions), tuple(identical), segments)
+
+
+def rank_donors(
+    target: Sequence[int], donors: Mapping[str, Sequence[int]], *,
+    exclude: Sequence[str] = (), **plan_options: int | bool,
+) -> list[tuple[str, int]]:
+    """Donors by how many target tokens each alone could serve, most first (ties: by id)."""
+    scores = [
+        (d, plan_reuse(target, {d: ids}, **plan_options).reused_tokens)  # type: ignore[arg-type]
+        for d, ids in donors.items() if d not in exclude
+    ]
+    return sorted(scores, key=lambda item: (-item[1], item[0]))
+
+
+def assemble(
+    plan: ReusePlan, store: DonorStore, lm: LayerwiseModel, *,
+    capacity: int | None = None, rotate: bool = True,
+) -> KVCache:
+    """A cache holding every reused position's donor KV, keys moved to the target position.
+
+    ``rotate=False`` leaves keys at their donor positions: wrong whenever a segment is shifted,
+    and kept only as the control that shows what re-rotation is for.
+    """
+    cache = lm.empty_cache(max(plan.num_tokens, capacity or 0))
+    by_donor: dict[str, tuple[list[int], list[int]]] = {}
+    for seg in plan.segments:
+        targets, sources = by_donor.setdefault(seg.donor_id, ([], []))
+        targets.extend(range(seg.target_start, seg.target_start + seg.length))
+        sources.extend(range(seg.donor_start, seg.donor_start + seg.length))
+    for donor, (targets, sources) in by_donor.items():
+        target_pos = torch.tensor(targets, dtype=torch.long)
+        donor_pos = torch.tensor(sources, dtype=torch.long)
+        keys, values = store.gather(donor, donor_pos)
+        deltas = target_pos - donor_pos
+        moved = bool(rotate and deltas.any())
+        for layer in range(lm.num_layers):
+            k = lm.rotator.rotate(keys[layer], deltas) if moved else keys[layer]
+            cache.keys[layer][:, :, target_pos] = k.to(cache.keys[layer].dtype)
+            cache.values[layer][:, :, target_pos] = values[layer].to(cache.values[layer].dtype)
+    return cache

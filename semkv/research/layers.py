@@ -1,0 +1,175 @@
+"""A layer-by-layer forward pass over an explicit KV cache, for selective recompute.
+
+Protocol: ``LayerwiseModel.from_pretrained(path)`` wraps a transformers Llama-family causal LM.
+``run_layers(cache, hidden, positions, layers)`` runs the given decoder layers for the tokens
+at ``positions`` only (any subset, in increasing order): each layer writes those tokens' fresh
+keys and values into ``cache`` first, then lets them attend causally (key position <= query
+position) over every cached position up to the last query. Positions not computed keep what the
+cache holds: reused, re-rotated donor KV. With every position computed this is a plain prefill
+(``tests/test_research.py`` checks it against the model's own forward), and decoding is the same
+call for one new position.
+
+The math is the model's own: its modules (norms, projections, MLP), its rotary embedding and
+transformers' ``apply_rotary_pos_emb`` / ``repeat_kv``; only the attention is spelled out (as
+transformers' eager attention) because the queries are a subset of the keys.
+
+NOTE: weights, prompts and KV stay in memory; nothing here logs or writes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from semkv.research.rope import RopeRotator
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama"})
+
+
+@dataclass
+class KVCache:
+    """Per layer keys and values ``[1, kv_heads, capacity, head_dim]`` (keys post-RoPE)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys[0].shape[2])
+
+    def clone(self) -> KVCache:
+        return KVCache([k.clone() for k in self.keys], [v.clone() for v in self.values])
+
+
+class LayerwiseModel:
+    """A transformers causal LM run layer by layer over an explicit ``KVCache``."""
+
+    def __init__(self, model: Any) -> None:
+        config = model.config
+        if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+            raise NotImplementedError(
+                f"semkv.research supports {sorted(SUPPORTED_MODEL_TYPES)} models, "
+                f"not {getattr(config, 'model_type', None)!r}"
+            )
+        self.model = model.eval()
+        self.config = config
+        self.num_layers = int(config.num_hidden_layers)
+        self.num_heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None)
+                            or config.hidden_size // config.num_attention_heads)
+        self.rotator = RopeRotator.from_model(model)
+        self.dtype: torch.dtype = next(model.parameters()).dtype
+        self.device: torch.device = next(model.parameters()).device
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path,
+                        dtype: torch.dtype = torch.float32) -> LayerwiseModel:
+        from transformers import AutoModelForCausalLM
+
+        # eager attention: the reference forward then does the same arithmetic as run_layers.
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, attn_implementation="eager"
+        )
+        return cls(model)
+
+    # -- building blocks --------------------------------------------------------------------
+
+    def empty_cache(self, capacity: int) -> KVCache:
+        shape = (1, self.kv_heads, capacity, self.head_dim)
+        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                for _ in range(self.num_layers)]
+        return KVCache(keys, [torch.zeros_like(k) for k in keys])
+
+    def embed(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
+        with torch.no_grad():
+            return self.model.model.embed_tokens(ids[None, :])  # type: ignore[no-any-return]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[tokens, vocab]`` (fp32) from last-layer hidden states."""
+        with torch.no_grad():
+            out = self.model.lm_head(self.model.model.norm(hidden))
+        return out[0].to(torch.float32)  # type: ignore[no-any-return]
+
+    def run_layers(
+        self,
+        cache: KVCache,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        layers: range | None = None,
+    ) -> torch.Tensor:
+        """Run ``layers`` (all by default) for the tokens at ``positions``; returns their hidden.
+
+        ``hidden`` is ``[1, len(positions), hidden_size]``: embeddings before layer 0, or the
+        output of the previous layer. ``positions`` must increase strictly.
+        """
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+        layers = range(self.num_layers) if layers is None else layers
+        positions = positions.to(device=self.device, dtype=torch.long)
+        if positions.numel() == 0:
+            return hidden
+        if positions.numel() > 1 and bool((positions[1:] <= positions[:-1]).any()):
+            raise ValueError("positions must increase strictly")
+        context = int(positions[-1]) + 1
+        if context > cache.capacity:
+            raise ValueError("positions reach past the cache capacity")
+        key_positions = torch.arange(context, device=self.device)
+        # Causal by position: a query sees every cached key at or before its own position.
+        blocked = key_positions[None, :] > positions[:, None]
+        mask = torch.zeros(blocked.shape, dtype=self.dtype, device=self.device)
+        mask = mask.masked_fill(blocked, torch.finfo(self.dtype).min)[None, None]
+        with torch.no_grad():
+            cos, sin = self.model.model.rotary_emb(hidden, positions[None, :])
+            for index in layers:
+                hidden = self._layer(index, cache, hidden, positions, context, mask, cos, sin,
+                                     apply_rotary_pos_emb, repeat_kv)
+        return hidden
+
+    def _layer(self, index: int, cache: KVCache, hidden: torch.Tensor, positions: torch.Tensor,
+               context: int, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               apply_rope: Any, repeat_kv: Any) -> torch.Tensor:
+        layer = self.model.model.layers[index]
+        attn = layer.self_attn
+        tokens = hidden.shape[1]
+        x = layer.input_layernorm(hidden)
+        shape = (1, tokens, -1, self.head_dim)
+        q = attn.q_proj(x).view(shape).transpose(1, 2)
+        k = attn.k_proj(x).view(shape).transpose(1, 2)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_rope(q, k, cos, sin)
+        # Fresh KV first, so computed tokens attend to each other's fresh values.
+        cache.keys[index][:, :, positions] = k
+        cache.values[index][:, :, positions] = v
+        keys = repeat_kv(cache.keys[index][:, :, :context], attn.num_key_value_groups)
+        values = repeat_kv(cache.values[index][:, :, :context], attn.num_key_value_groups)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * attn.scaling + mask
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(weights, values).transpose(1, 2).reshape(1, tokens, -1)
+        hidden = hidden + attn.o_proj(out)
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))  # type: ignore[no-any-return]
+
+    # -- whole passes -----------------------------------------------------------------------
+
+    def forward(self, cache: KVCache, token_ids: Sequence[int] | torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        """Logits ``[len(positions), vocab]`` for ``token_ids`` at ``positions`` (all layers)."""
+        return self.logits(self.run_layers(cache, self.embed(token_ids), positions))
+
+    def full_prefill(self, token_ids: Sequence[int], capacity: int | None = None, *,
+                     all_logits: bool = True) -> tuple[KVCache, torch.Tensor]:
+        """The reference: every prompt token computed. Returns (cache, logits).
+
+        Logits are ``[N, vocab]``, or ``[1, vocab]`` for the last token only with
+        ``all_logits=False`` (the LM head over a long prompt costs about a tenth of a small
+        model's prefill).
+        """
+        n = len(token_ids)
+        cache = self.empty_cache(max(n, capacity or 0))
+        hidden = self.run_layers(cache, self.embed(token_ids), torch.arange(n))
+        return cache, self.logits(hidden if all_logits else hidden[:, -1:])

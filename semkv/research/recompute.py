@@ -1,0 +1,170 @@
+"""Recompute strategies: which prompt tokens to compute fresh on top of the assembled cache.
+
+Protocol: ``prefill(lm, target, plan, store, strategy)`` assembles the target's cache from the
+plan (reused positions, re-rotated) and computes, through ``LayerwiseModel.run_layers``, every
+position the plan does not reuse (always including the last prompt token) plus what the
+strategy adds:
+
+- ``none``: nothing more; every reused token keeps its donor KV in every layer.
+- ``first_k``: the first k tokens of every reused segment (EPIC-like: a chunk's first tokens
+  absorb most of the attention that its missing preceding context would have drawn).
+- ``blend``: CacheBlend-like. The first ``probe_layers`` layers are computed for every token
+  (fresh KV there, for all); the deviation of those fresh keys and values from the reused ones
+  ranks the reused tokens, and the top ``ratio`` (a fraction of all prompt tokens) is computed
+  through the remaining layers, continuing from its probe-layer hidden states. Layer 0 alone
+  cannot tell (an identical token's layer-0 KV is context-free); layer 1 is the first to see
+  the missing context, hence two probe layers by default.
+- ``full``: a full prefill, no reuse: the reference.
+
+The result carries the cache (capacity for the generation), the next-token logits and, per
+layer range, which positions were computed: the input of the FLOPs estimate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from semkv.research.assembly import ReusePlan, assemble
+from semkv.research.donors import DonorStore
+from semkv.research.layers import KVCache, LayerwiseModel
+
+DEFAULT_PROBE_LAYERS = 2
+
+
+class StrategyKind(str, Enum):
+    NONE = "none"
+    FIRST_K = "first_k"
+    BLEND = "blend"
+    FULL = "full"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    kind: StrategyKind
+    first_k: int = 0
+    ratio: float = 0.0  # blend: recomputed tokens as a fraction of all prompt tokens
+    probe_layers: int = DEFAULT_PROBE_LAYERS
+
+    @classmethod
+    def none(cls) -> Strategy:
+        return cls(StrategyKind.NONE)
+
+    @classmethod
+    def first(cls, k: int) -> Strategy:
+        if k < 1:
+            raise ValueError("first_k needs k >= 1")
+        return cls(StrategyKind.FIRST_K, first_k=k)
+
+    @classmethod
+    def blend(cls, ratio: float, probe_layers: int = DEFAULT_PROBE_LAYERS) -> Strategy:
+        if not 0.0 <= ratio <= 1.0 or probe_layers < 1:
+            raise ValueError("blend needs 0 <= ratio <= 1 and probe_layers >= 1")
+        return cls(StrategyKind.BLEND, ratio=ratio, probe_layers=probe_layers)
+
+    @classmethod
+    def full(cls) -> Strategy:
+        return cls(StrategyKind.FULL)
+
+    @property
+    def name(self) -> str:
+        if self.kind is StrategyKind.FIRST_K:
+            return f"first{self.first_k}"
+        if self.kind is StrategyKind.BLEND:
+            return f"blend{round(self.ratio * 100)}"
+        return self.kind.value
+
+
+@dataclass
+class PrefillResult:
+    cache: KVCache
+    logits: torch.Tensor  # [vocab], fp32: the next-token logits after the prompt
+    num_tokens: int
+    passes: list[tuple[range, list[int]]] = field(default_factory=list)  # layers, positions
+
+    @property
+    def recomputed_tokens(self) -> int:
+        """Prompt tokens computed in the last layer: those not served by a donor in the end."""
+        return len(self.passes[-1][1]) if self.passes else 0
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.num_tokens - self.recomputed_tokens
+
+    @property
+    def recompute_fraction(self) -> float:
+        """Token-layers computed over those of a full prefill (probe layers included)."""
+        done = sum(len(layers) * len(pos) for layers, pos in self.passes)
+        total = self.num_tokens * sum(len(layers) for layers, _ in self.passes)
+        return done / total if total else 0.0
+
+
+def _first_k(plan: ReusePlan, k: int) -> set[int]:
+    return {seg.target_start + i for seg in plan.segments for i in range(min(k, seg.length))}
+
+
+def _deviation(fresh: KVCache, reused_k: list[torch.Tensor], reused_v: list[torch.Tensor],
+               layers: int, n: int) -> torch.Tensor:
+    """Per position: relative squared deviation of reused KV from fresh KV, probe layers summed."""
+    score = torch.zeros(n, dtype=torch.float32)
+    for layer in range(layers):
+        fk, fv = fresh.keys[layer][0, :, :n], fresh.values[layer][0, :, :n]
+        diff = ((fk - reused_k[layer]) ** 2).sum(dim=(0, 2)) + ((fv - reused_v[layer]) ** 2).sum(
+            dim=(0, 2))
+        norm = (fk ** 2).sum(dim=(0, 2)) + (fv ** 2).sum(dim=(0, 2))
+        score += (diff / norm.clamp_min(1e-12)).to(torch.float32).cpu()
+    return score
+
+
+Passes = list[tuple[range, list[int]]]  # (layers, positions computed in them)
+
+
+def _blend(lm: LayerwiseModel, target: Sequence[int], plan: ReusePlan, cache: KVCache,
+           strategy: Strategy, mandatory: set[int]) -> tuple[torch.Tensor, Passes]:
+    n = plan.num_tokens
+    probe = min(strategy.probe_layers, lm.num_layers)
+    old_k = [cache.keys[layer][0, :, :n].clone() for layer in range(probe)]
+    old_v = [cache.values[layer][0, :, :n].clone() for layer in range(probe)]
+    everyone = list(range(n))
+    hidden = lm.run_layers(cache, lm.embed(target), torch.arange(n), range(probe))
+    passes: Passes = [(range(probe), everyone)]
+    if probe == lm.num_layers:
+        return hidden[:, -1:], passes
+    deviation = _deviation(cache, old_k, old_v, probe, n)
+    candidates = [p for p, reused in enumerate(plan.reused) if reused and p not in mandatory]
+    budget = min(len(candidates), round(strategy.ratio * n))
+    ranked = sorted(candidates, key=lambda p: (-float(deviation[p]), p))
+    chosen = sorted(mandatory | set(ranked[:budget]))
+    index = torch.tensor(chosen, dtype=torch.long)
+    out = lm.run_layers(cache, hidden[:, index], index, range(probe, lm.num_layers))
+    passes.append((range(probe, lm.num_layers), chosen))
+    return out[:, -1:], passes
+
+
+def prefill(
+    lm: LayerwiseModel, target: Sequence[int], plan: ReusePlan, store: DonorStore,
+    strategy: Strategy, *, capacity: int | None = None, rotate: bool = True,
+) -> PrefillResult:
+    """The target's prompt cache and next-token logits under ``strategy``."""
+    n = len(target)
+    if n == 0 or plan.num_tokens != n:
+        raise ValueError("the plan must be for this (non-empty) target")
+    if strategy.kind is StrategyKind.FULL:
+        cache, logits = lm.full_prefill(target, capacity, all_logits=False)
+        return PrefillResult(cache, logits[-1], n, [(range(lm.num_layers), list(range(n)))])
+    cache = assemble(plan, store, lm, capacity=capacity, rotate=rotate)
+    mandatory = {p for p, reused in enumerate(plan.reused) if not reused} | {n - 1}
+    if strategy.kind is StrategyKind.BLEND:
+        last_hidden, passes = _blend(lm, target, plan, cache, strategy, mandatory)
+        return PrefillResult(cache, lm.logits(last_hidden)[-1], n, passes)
+    chosen = set(mandatory)
+    if strategy.kind is StrategyKind.FIRST_K:
+        chosen |= _first_k(plan, strategy.first_k)
+    positions = sorted(chosen)
+    ids = [target[p] for p in positions]
+    hidden = lm.run_layers(cache, lm.embed(ids), torch.tensor(positions, dtype=torch.long))
+    logits = lm.logits(hidden[:, -1:])  # the last prompt token is always among those computed
+    return PrefillResult(cache, logits[-1], n, [(range(lm.num_layers), positions)])
