@@ -58,8 +58,10 @@ class SemkvConfig(BaseSettings):
                                            description="Verified tier: fewest tokens.")
     semantic_min_reuse_tokens: int = Field(default=512, ge=1,
                                            description="Semantic tier: fewest tokens.")
+    # Off by default: neither non-exact tier beat the response-cache baseline clearly in the
+    # quality benchmark (docs/semantic-tier.md has the numbers). Operators opt in per tier.
     semantic_tiers: frozenset[QualityTier] = Field(
-        default=frozenset({QualityTier.VERIFIED}),
+        default=frozenset(),
         description="Non-exact tiers materialize_semantic may load (exact is always allowed).")
     block_aligned_only: bool = True
     lookup_timeout_ms: float = Field(default=50.0, gt=0.0, le=60_000.0)

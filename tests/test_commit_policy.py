@@ -47,8 +47,9 @@ def test_exact_hits_are_committed_under_the_policy_scheduler():
     h.assert_no_leaks()
 
 
-def _tainted_setup(seed: int, **harness: object):
-    h = make_harness(SEMANTIC, scheduler_cls=CommitPolicyScheduler, **harness)  # type: ignore[arg-type]
+def _tainted_setup(seed: int, extra: dict | None = None, **harness: object):
+    h = make_harness(dict(SEMANTIC, **(extra or {})), scheduler_cls=CommitPolicyScheduler,
+                     **harness)  # type: ignore[arg-type]
     body = doc(seed, 320)
     _serve_donor(h, doc(seed + 1, 64) + body)
     return h, body + doc(seed + 2, 40)
@@ -89,4 +90,19 @@ def test_preempted_request_only_request_commits_nothing_and_leaks_nothing():
     assert preempted, "the scenario must preempt the request-only request"
     assert was_request_only, "the request must have been request-only"
     assert {"t", "hog"} <= h.finished
+    h.assert_no_leaks()
+
+
+def test_async_request_only_load_commits_nothing():
+    h, target = _tainted_setup(40, {"async_load": True})  # WAITING_FOR_REMOTE_KVS path
+    h.add("t", target)
+    h.add("same-step", target)
+    for _ in range(3):
+        h.step()
+        assert _local_hit(h, "probe", target) == 0
+    h.run()
+    assert _local_hit(h, "probe-after", target) == 0
+    for rid in ("t", "same-step"):
+        s = h.outputs[rid]["semkv"]
+        assert s["provenance"] == "request_only_semantic_reuse" and s["local_prefix_tokens"] == 0
     h.assert_no_leaks()

@@ -100,3 +100,11 @@ def test_any_unknown_key_fails_naming_it(key):
     with pytest.raises(ConfigError) as info:
         SemkvConfig.load({key: 1})
     assert repr(key) in str(info.value)
+
+
+def test_readme_documents_every_config_key():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = [k for k in valid_keys() if f"`{k}`" not in readme]
+    assert not missing, f"README misses config keys: {missing}"

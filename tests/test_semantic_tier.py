@@ -120,9 +120,9 @@ def test_request_only_span_never_becomes_exact_prefix_state(h):
     for rid in ("tainted", "same-step"):
         s = h.outputs[rid]["semkv"]
         assert s["local_prefix_tokens"] == 0 and s["tier"] == "verified"
-    # The tainted requests were not registered as donors: an exact recompute of the target is
-    # cached normally and serves exact hits afterwards.
-    h.side.config.__dict__["semantic_tiers"] = frozenset()  # exact only from here
+    assert len(h.side.donors) == 1  # the request-only requests never became donors
+    # An exact recompute of the target is cached normally and serves exact hits afterwards.
+    assert h.scheduler.reset_prefix_cache(reset_connector=True)  # no donor left: compute
     h.add("exact", target)
     h.run()
     assert h.outputs["exact"]["semkv"]["fallback_reason"] is not None
@@ -155,7 +155,7 @@ def test_unknown_page_layout_fails_the_load_and_recomputes(h):
     assert _own_kv_after_prefill(h, "t", target)  # recomputed: the request's own KV
     h.run()
     s = h.outputs["t"]["semkv"]
-    assert s["fallback_reason"] == "load_failed"
+    assert (s["fallback_reason"], s["provenance"]) == ("load_failed", "fallback_recompute")
     h.assert_no_leaks()
 
 

@@ -290,3 +290,20 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> SemkvPromMetrics:
         return SemkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _register_by_name() -> None:
+    """Make ``SemanticKVConnector`` known to vLLM's connector registry by name.
+
+    NOTE: operators load it by module path, which bypasses the registry; but vLLM's
+    MultiConnector rebuilds each child's stats by class name in the API process, and fails
+    for a child it cannot find there. Importing this module (which every path does) fixes that.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if SemanticKVConnector.__name__ not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(SemanticKVConnector.__name__, __name__,
+                                              SemanticKVConnector.__name__)
+
+
+_register_by_name()

@@ -439,7 +439,7 @@ class SchedulerSide:
             a = st.assessment
             if a is not None and a.external_tokens > 0:
                 self.stats.inc("would_reuse_tokens", a.tier, a.external_tokens)
-            if a is not None and a.tier is not QualityTier.EXACT:
+            if a is not None and a.tier is not QualityTier.EXACT and not st.load_failed:
                 outcome = Provenance.SEMANTIC_CANDIDATE_REJECTED
             elif local > 0:
                 outcome = Provenance.EXACT_LOCAL_PREFIX_HIT
