@@ -1,21 +1,23 @@
 """TTFT of an exact-tier semkv hit vs vLLM's own prefix-cache hit vs cold, at several lengths.
 
-One run, two engines on the bundled model (vLLM CPU), both alive and used in turn so that
-machine load drifts hit both alike:
+One run, three engines on the bundled model (vLLM CPU), all alive and used in turn so that
+machine load drifts hit all alike, all bound to the same cores (``VLLM_CPU_OMP_THREADS_BIND``,
+default core 0):
 - ``plain``: no connector. ``cold`` = a never-seen prompt; ``vllm_hit`` = the same prompt again
   (vLLM's own prefix cache, the ceiling of KV reuse);
+- ``idle``: the connector with ``semantic_mode: disabled`` (vLLM's connector plumbing only);
 - ``semkv`` (materialize_exact, provider chunks): ``miss`` = the SAME never-seen prompt
-  (discovery runs, the donor is saved); ``semkv_hit`` = the same prompt after vLLM's own cache was
-  emptied (every reused token comes from semkv's store); ``vllm_hit`` again for reference.
-Both engines are bound to the same cores (``VLLM_CPU_OMP_THREADS_BIND``, default core 0).
-Cold and miss run on the same prompt back to back, their order alternating per repetition, so
-``miss/cold`` is a paired ratio. ``semkv share`` is semkv's own time in a miss (lookup and
-admission on the scheduler, donor-block saves on the worker, from its ``vllm:semkv_*_seconds``
-histograms) over the miss TTFT: the overhead attributable to semkv, free of engine-to-engine
-noise. TTFT = wall time of a 1-token generation, one request at a time.
-Medians over ``--reps`` different documents per length. Prints a table and writes raw JSON.
+  (discovery runs, the donor is saved); ``semkv_hit`` = the same prompt after vLLM's own cache
+  was emptied (every reused token comes from semkv's store); ``vllm_hit`` again for reference.
+Cold, idle and miss run on the same prompt back to back, their order rotating per repetition,
+so ``miss/cold`` is a paired ratio, split into vLLM's plumbing (idle/cold) and semkv's work
+(miss/idle). ``semkv share`` is semkv's own time in a miss (lookup and admission on the
+scheduler, donor-block saves on the worker, from its ``vllm:semkv_*_seconds`` histograms) over
+the miss TTFT: the overhead attributable to semkv, free of engine-to-engine noise.
+TTFT = wall time of a 1-token generation, one request at a time. Medians over ``--reps``
+different documents per length. Prints a table and writes raw JSON.
 
-    .venv/bin/python benchmarks/exact_ttft.py --lengths 1024 2048 4096 7168 --reps 5
+    .venv/bin/python benchmarks/exact_ttft.py --lengths 1024 2048 4096 7168 --reps 4
 """
 
 from __future__ import annotations
@@ -73,16 +75,16 @@ def semkv_seconds(llm: Any) -> float:
                and hasattr(m, "sum"))
 
 
-def measure_pair(plain: Any, semkv: Any, prompt: str, rep: int) -> dict[str, Any]:
-    """One repetition: cold and miss on the same fresh prompt (order alternating), then the hits."""
-    row: dict[str, Any] = {"rep": rep, "order": "cold_first" if rep % 2 == 0 else "miss_first"}
+def measure_pair(plain: Any, idle: Any, semkv: Any, prompt: str, rep: int) -> dict[str, Any]:
+    """One repetition: cold, idle and miss on the same fresh prompt (order rotating), then hits."""
+    engines = [("cold", plain), ("idle", idle), ("miss", semkv)]
+    order = engines[rep % 3 :] + engines[: rep % 3]
+    row: dict[str, Any] = {"rep": rep, "order": [name for name, _ in order]}
     spent = semkv_seconds(semkv)
-    if rep % 2 == 0:
-        row["cold"], cold_info = ttft(plain, prompt)
-        row["miss"], miss_info = ttft(semkv, prompt)
-    else:
-        row["miss"], miss_info = ttft(semkv, prompt)
-        row["cold"], cold_info = ttft(plain, prompt)
+    info: dict[str, dict[str, Any]] = {}
+    for name, llm in order:
+        row[name], info[name] = ttft(llm, prompt)
+    cold_info, miss_info = info["cold"], info["miss"]
     row["miss_semkv_seconds"] = semkv_seconds(semkv) - spent
     row["tokens"] = cold_info["prompt_tokens"]
     row["miss_provenance"] = miss_info.get("provenance")
@@ -96,7 +98,7 @@ def measure_pair(plain: Any, semkv: Any, prompt: str, rep: int) -> dict[str, Any
 
 
 def main() -> None:
-    # Both engines get the same cores. Left to vLLM's "auto", the first engine of a process is
+    # All engines get the same cores. Left to vLLM's "auto", the first engine of a process is
     # bound to one core (one reserved) and the second to all: an unfair comparison.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
     parser = argparse.ArgumentParser()
@@ -113,22 +115,26 @@ def main() -> None:
     prompts = {n: prompts_of_length(tok, n, args.reps, "t") for n in args.lengths}
     results: dict[str, Any] = {"lengths": args.lengths, "reps": args.reps, "rows": {}}
     plain = build(None, max_len)
+    idle = build({"semantic_mode": "disabled"}, max_len)
     semkv = build({"provider": "chunks", "semantic_mode": "materialize_exact",
                    "donor_store_bytes": "4GiB"}, max_len)
-    for llm in (plain, semkv):
+    for llm in (plain, idle, semkv):
         ttft(llm, "warm-up prompt: the engine's first forward is always cold")
     for n in args.lengths:
-        results["rows"][n] = [measure_pair(plain, semkv, p, rep) for rep, p in enumerate(prompts[n])]
+        results["rows"][n] = [measure_pair(plain, idle, semkv, p, rep) for rep, p in enumerate(prompts[n])]
 
     med = statistics.median
     print(f"{'tokens':>7} {'cold s':>8} {'miss s':>8} {'vllm hit':>9} {'semkv hit':>10} "
-          f"{'miss/cold':>10} {'semkv share':>12} {'semkv/vllm hit':>15} {'cold/semkv':>11}")
+          f"{'miss/cold':>10} {'idle/cold':>10} {'miss/idle':>10} {'semkv share':>12} "
+          f"{'semkv/vllm hit':>15} {'cold/semkv':>11}")
     summary = {}
     for n in args.lengths:
         rows = results["rows"][n]
         row = {k: med(r[k] for r in rows) for k in ("cold", "miss", "vllm_hit", "semkv_hit",
                                                     "plain_vllm_hit")}
         row["miss_over_cold_paired_median"] = med(r["miss"] / r["cold"] for r in rows)
+        row["idle_over_cold_paired_median"] = med(r["idle"] / r["cold"] for r in rows)
+        row["miss_over_idle_paired_median"] = med(r["miss"] / r["idle"] for r in rows)
         row["semkv_share_of_miss"] = med(r["miss_semkv_seconds"] / r["miss"] for r in rows)
         row["miss_over_cold"] = row["miss"] / row["cold"]
         row["semkv_hit_over_vllm_hit"] = row["semkv_hit"] / row["vllm_hit"]
@@ -136,7 +142,8 @@ def main() -> None:
         summary[n] = row
         print(f"{n:>7} {row['cold']:>8.3f} {row['miss']:>8.3f} {row['vllm_hit']:>9.3f} "
               f"{row['semkv_hit']:>10.3f} {row['miss_over_cold_paired_median']:>10.3f} "
-              f"{row['semkv_share_of_miss']:>12.4f} "
+              f"{row['idle_over_cold_paired_median']:>10.3f} "
+              f"{row['miss_over_idle_paired_median']:>10.3f} {row['semkv_share_of_miss']:>12.4f} "
               f"{row['semkv_hit_over_vllm_hit']:>15.3f} {row['cold_over_semkv_hit']:>11.1f}")
     results["summary"] = summary
     args.out.parent.mkdir(parents=True, exist_ok=True)
