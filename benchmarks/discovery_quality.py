@@ -282,7 +282,8 @@ def tables(results: dict[str, Any]) -> str:
                 f"{fmt(k['top_run_tokens_mean'], tok=True)} | "
                 f"{fmt(k['top_candidate_span_identical_tokens_mean'], tok=True)} | "
                 f"{fmt(k['oracle_exact_prefix_tokens_mean'], tok=True)} / "
-                f"{fmt(k['oracle_run_tokens_mean'], tok=True)} | {fmt(k['target_tokens_mean'], tok=True)} |"
+                f"{fmt(k['oracle_run_tokens_mean'], tok=True)} | "
+                f"{fmt(k['target_tokens_mean'], tok=True)} |"
             )
     lines.append("\n### Negative controls per kind\n")
     lines.append(
@@ -301,7 +302,8 @@ def tables(results: dict[str, Any]) -> str:
                 f"| {kind} | {label(name)} | {k['n']} | {fmt(k['fpr_raw'], True)} "
                 + "".join(f"| {fmt(k[f'fpr_sim_ge_{t}'], True)} " for t in THRESHOLDS)
                 + f"| {fmt(k['max_negative_similarity'])} | {k['decoy_returned']} | "
-                f"{fmt(k['top_exact_prefix_tokens_mean'], tok=True)} | {fmt(k['top_run_tokens_mean'], tok=True)} |"
+                f"{fmt(k['top_exact_prefix_tokens_mean'], tok=True)} | "
+                f"{fmt(k['top_run_tokens_mean'], tok=True)} |"
             )
     return "\n".join(lines)
 

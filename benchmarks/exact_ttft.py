@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-CONNECTOR = {"kv_connector": "SemanticKVConnector", "kv_connector_module_path": "semkv_vllm.connector",
+CONNECTOR = {"kv_connector": "SemanticKVConnector",
+             "kv_connector_module_path": "semkv_vllm.connector",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 
 
@@ -61,8 +62,10 @@ def build(extra: dict[str, Any] | None, max_len: int) -> Any:
 
     from semkv.bundled_model import ensure_model
 
-    kw: dict[str, Any] = dict(model=str(ensure_model()), dtype="float32", gpu_memory_utilization=0.12,
-                              max_model_len=max_len, enable_prefix_caching=True, enforce_eager=True)
+    kw: dict[str, Any] = dict(model=str(ensure_model()), dtype="float32",
+                              gpu_memory_utilization=0.12,
+                              max_model_len=max_len, enable_prefix_caching=True, enforce_eager=True,
+                              disable_log_stats=False)  # semkv_seconds reads the metrics
     if extra is not None:
         kw["kv_transfer_config"] = dict(CONNECTOR, kv_connector_extra_config=extra)
     return LLM(**kw)
@@ -121,7 +124,8 @@ def main() -> None:
     for llm in (plain, idle, semkv):
         ttft(llm, "warm-up prompt: the engine's first forward is always cold")
     for n in args.lengths:
-        results["rows"][n] = [measure_pair(plain, idle, semkv, p, rep) for rep, p in enumerate(prompts[n])]
+        results["rows"][n] = [measure_pair(plain, idle, semkv, p, rep)
+                              for rep, p in enumerate(prompts[n])]
 
     med = statistics.median
     print(f"{'tokens':>7} {'cold s':>8} {'miss s':>8} {'vllm hit':>9} {'semkv hit':>10} "

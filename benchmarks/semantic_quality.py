@@ -24,7 +24,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-CONNECTOR = {"kv_connector": "SemanticKVConnector", "kv_connector_module_path": "semkv_vllm.connector",
+CONNECTOR = {"kv_connector": "SemanticKVConnector",
+             "kv_connector_module_path": "semkv_vllm.connector",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 
 
@@ -47,7 +48,8 @@ def token_f1(hyp: list[int], ref: list[int]) -> float:
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    pairs = enumerate(zip(a, b, strict=False))
+    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
 
 
 def build_engine(extra: dict[str, Any], max_len: int) -> Any:

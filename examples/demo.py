@@ -16,6 +16,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -35,7 +36,8 @@ def workload(n_docs: int) -> list[tuple[str, str, str]]:
     for i, d in enumerate(docs):
         rows.append(("exact_control", f"{d}\n\nQ: {q1}\nA:", f"{d}\n\nQ: {q1}\nA:"))
         rows.append(("partial_overlap", f"{d}\n\nQ: {q1}\nA:", f"{d}\n\nQ: {q2}\nA:"))
-        rows.append(("cross_instruction", f"{sys_a}{d}\n\nQ: {q1}\nA:", f"{sys_b}{d}\n\nQ: {q1}\nA:"))
+        rows.append(("cross_instruction", f"{sys_a}{d}\n\nQ: {q1}\nA:",
+                     f"{sys_b}{d}\n\nQ: {q1}\nA:"))
         other = docs[(i + 1) % len(docs)]
         rows.append(("negative_unrelated", f"{other}\n\nQ: {q1}\nA:", f"{d}\n\nQ: {q2}\nA:"))
     return rows
@@ -103,8 +105,11 @@ def main() -> None:
     hits = [r for r in rows if r["provenance"] == "exact_external_kv_hit"]
     overall = statistics.median(r["cold_ttft_s"] / r["warm_ttft_s"] for r in rows)
     hit_only = statistics.median(r["cold_ttft_s"] / r["warm_ttft_s"] for r in hits) if hits else 0.0
-    metrics = {m.name + ":" + ",".join(v for k, v in m.labels.items() if k not in ("model_name", "engine")):
-               getattr(m, "value", None) for m in llm.get_metrics() if m.name.startswith("vllm:semkv_")}
+    def labels(m: Any) -> str:
+        return ",".join(v for k, v in m.labels.items() if k not in ("model_name", "engine"))
+
+    metrics = {m.name + ":" + labels(m): getattr(m, "value", None)
+               for m in llm.get_metrics() if m.name.startswith("vllm:semkv_")}
     console.print(f"hits {len(hits)}/{len(rows)}; median TTFT speedup overall {overall:.1f}x, "
                   f"hit-only {hit_only:.1f}x; loaded tokens (engine-confirmed): "
                   f"{metrics.get('vllm:semkv_loaded_tokens:', 0)}")

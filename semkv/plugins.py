@@ -94,8 +94,9 @@ def plugin_versions() -> list[dict[str, str]]:
         dist = _dists.get(plugin_name)
         names: list[str] = []
 
-        def register(cls: type[DonorProvider], name: str | None = None) -> None:
-            names.append(name or cls.name)
+        def register(cls: type[DonorProvider], name: str | None = None,
+                     into: list[str] = names) -> None:
+            into.append(name or cls.name)
 
         plugin.register_providers(register=register)
         for provider in names:

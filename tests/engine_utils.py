@@ -63,7 +63,8 @@ def semkv_metrics(llm: Any) -> dict[str, float]:
     totals: dict[str, float] = {}
     for metric in llm.get_metrics():
         if metric.name.startswith("vllm:semkv_") and hasattr(metric, "value"):
-            label = next((v for k, v in metric.labels.items() if k not in ("model_name", "engine")), None)
+            label = next((v for k, v in metric.labels.items()
+                          if k not in ("model_name", "engine")), None)
             name = metric.name if label is None else f"{metric.name}:{label}"
             totals[name] = totals.get(name, 0.0) + float(metric.value)
     return totals

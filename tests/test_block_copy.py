@@ -25,7 +25,7 @@ def test_copy_blocks_is_an_exact_page_gather_scatter(data):
     dst = data.draw(st.permutations(list(range(num_blocks))))[: len(src)]
     target = torch.zeros_like(kv)
     copy_blocks(store, slots, target, dst)
-    for s, d in zip(src, dst):
+    for s, d in zip(src, dst, strict=False):
         assert torch.equal(target[d], kv[s])  # bit-identical whole pages
     untouched = sorted(set(range(num_blocks)) - set(dst))
     assert torch.count_nonzero(target[untouched]) == 0
@@ -55,7 +55,8 @@ def test_block_keys_are_chained_and_namespaced():
     a = block_keys("ns", list(range(100)), 32)
     assert len(a) == 3
     b = block_keys("ns", [999] + list(range(1, 100)), 32)
-    assert all(x != y for x, y in zip(a, b))  # a change in block 0 changes every later key
+    # a change in block 0 changes every later key
+    assert all(x != y for x, y in zip(a, b, strict=True))
     assert block_keys("other", list(range(100)), 32)[0] != a[0]
     assert block_keys("ns", list(range(64)), 32) == a[:2]
 

@@ -11,7 +11,8 @@ def _env():
 
 
 def test_config_prints_effective_config():
-    out = subprocess.run(SEMKV + ["config", "--extra-config", '{"semantic_mode": "materialize_exact"}'],
+    extra = '{"semantic_mode": "materialize_exact"}'
+    out = subprocess.run(SEMKV + ["config", "--extra-config", extra],
                          capture_output=True, text=True, env=_env())
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["semantic_mode"] == "materialize_exact"

@@ -79,8 +79,8 @@ def test_cross_instruction_targets_get_request_only_reuse(llm, workload, record_
         "similarity": sorted(round(r[1]["similarity"], 3) for r in served),
         "reused_tokens": sorted(r[1]["external_tokens"] for r in served),
         "greedy16_identical_to_cold": exact,
-        "first_divergence": [next((i for i, (a, b) in enumerate(zip(r[3], r[4])) if a != b), 16)
-                             for r in served],
+        "first_divergence": [next((i for i, (a, b) in enumerate(zip(r[3], r[4], strict=False))
+                                   if a != b), 16) for r in served],
         "loaded_tokens": loaded, "reported_tokens": reported,
     }
     record_property("semantic_tier", json.dumps(report))

@@ -63,7 +63,8 @@ def test_unknown_provider_lists_installed(third_party):
     code = "from semkv.plugins import get_provider_class; get_provider_class('nope')"
     out = _run(code, third_party)
     assert out.returncode != 0
-    assert "'nope' is not installed" in out.stderr and "chunks" in out.stderr and "echo" in out.stderr
+    assert "'nope' is not installed" in out.stderr
+    assert "chunks" in out.stderr and "echo" in out.stderr
 
 
 def test_cli_plugins_prints_versions(third_party):

@@ -87,7 +87,8 @@ def test_cpu_page_layout_probed_from_the_engine_kernel_round_trips():
     layout = PageLayout.probe(write, (heads, block, 2 * d), torch.float32)
     assert layout is not None
     # vLLM CPU pages are not token-major: K is column-major per head
-    assert not torch.equal(layout.k_offsets, PageLayout.token_major((heads, block, 2 * d)).k_offsets)
+    token_major = PageLayout.token_major((heads, block, 2 * d))
+    assert not torch.equal(layout.k_offsets, token_major.k_offsets)
     kv = torch.zeros(6, heads, block, 2 * d)
     keys, values = torch.randn(4 * block, heads, d), torch.randn(4 * block, heads, d)
     blocks = [5, 1, 3, 2]

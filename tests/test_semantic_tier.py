@@ -186,7 +186,8 @@ def test_engine_limits_name_what_is_unsupported():
     one = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(["a"], spec)])
     two = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(["a"], spec), KVCacheGroupSpec(["b"], spec)])
+                        kv_cache_groups=[KVCacheGroupSpec(["a"], spec),
+                                         KVCacheGroupSpec(["b"], spec)])
     assert engine_limit(config, one) is None
     assert "KV-cache groups" in (engine_limit(config, two) or "")
     speculative = copy.copy(config)

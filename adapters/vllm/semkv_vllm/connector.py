@@ -70,7 +70,8 @@ def store_geometry(config: SemkvConfig, kv_cache_config: KVCacheConfig) -> tuple
     return max(slots, 1), per_slot
 
 
-def _build_provider(config: SemkvConfig, vllm_config: VllmConfig, block_size: int) -> GuardedProvider:
+def _build_provider(config: SemkvConfig, vllm_config: VllmConfig,
+                    block_size: int) -> GuardedProvider:
     from semkv.plugins import get_provider_class
 
     cls = get_provider_class(config.provider)
@@ -160,8 +161,9 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
                 bytes_per_slot=per_slot,
                 engine_supported=limit is None, provider=provider,
                 can_shift=rope is not None,
-                request_only_enforced=lambda: (self.commit_policy_enforced
-                                               or not vllm_config.cache_config.enable_prefix_caching))
+                request_only_enforced=lambda: (
+                    self.commit_policy_enforced
+                    or not vllm_config.cache_config.enable_prefix_caching))
             log.info("semkv_connector_ready", mode=str(self.config.semantic_mode),
                      provider=self.config.provider, slots=slots, bytes_per_slot=per_slot)
         else:
@@ -268,8 +270,9 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         return False, self._scheduler.request_finished(request)
 
-    def request_finished_all_groups(self, request: Request,
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def reset_cache(self) -> bool | None:

@@ -92,7 +92,8 @@ class SchedulerSide:
         self.provider = provider
         self.can_shift = can_shift  # positions of this model's keys can be moved (RoPE)
         self.request_only_enforced = request_only_enforced
-        self.materialize = config.semantic_mode in (Mode.MATERIALIZE_EXACT, Mode.MATERIALIZE_SEMANTIC)
+        self.materialize = config.semantic_mode in (Mode.MATERIALIZE_EXACT,
+                                                    Mode.MATERIALIZE_SEMANTIC)
         self.index = StoreIndex(num_slots)
         self.leases = LeaseTable()
         self.admission = Admission(config, block_size)
@@ -174,10 +175,12 @@ class SchedulerSide:
             self.stats.inc("lookup_hits", d.quality_tier)
             self.stats.observe("request_external_tokens", d.external_prefix_tokens)
             self.stats.observe("request_similarity", d.similarity)
-            self.stats.observe("request_reuse_ratio", d.external_prefix_tokens / max(prompt_tokens, 1))
+            self.stats.observe("request_reuse_ratio",
+                               d.external_prefix_tokens / max(prompt_tokens, 1))
         elif d.fallback_reason is FallbackReason.PROVIDER_MISS:
             self.stats.inc("lookup_misses")
-        elif d.fallback_reason not in (FallbackReason.PROVIDER_ERROR, FallbackReason.PROVIDER_TIMEOUT):
+        elif d.fallback_reason not in (FallbackReason.PROVIDER_ERROR,
+                                       FallbackReason.PROVIDER_TIMEOUT):
             self.stats.inc("lookup_rejected", d.fallback_reason)  # errors: lookup_errors
 
     def _decide(self, st: _Req, local: int) -> SemanticKVMatch | None:
@@ -206,7 +209,8 @@ class SchedulerSide:
                 return SemanticKVMatch.fallback(rid, refusal, local_prefix_tokens=local)
         if match.is_hit and not self._pin(st, match):
             self.leases.release(match.donor_lease_id or "")
-            return SemanticKVMatch.fallback(rid, FallbackReason.DONOR_STALE, local_prefix_tokens=local)
+            return SemanticKVMatch.fallback(rid, FallbackReason.DONOR_STALE,
+                                            local_prefix_tokens=local)
         return match
 
     def _refuse_non_exact(self, assessment: Assessment | None) -> FallbackReason | None:
@@ -285,7 +289,8 @@ class SchedulerSide:
                 self.stats.inc("materialize_recompute", FallbackReason.EXACT_PREFIX_SUFFICIENT)
             self._release(st)
             st.decision = SemanticKVMatch.fallback(
-                request.request_id, FallbackReason.EXACT_PREFIX_SUFFICIENT, local_prefix_tokens=local)
+                request.request_id, FallbackReason.EXACT_PREFIX_SUFFICIENT,
+                local_prefix_tokens=local)
             st.decided_for = (local, request.num_preemptions)
             return
         block_ids = blocks.get_block_ids()[0]

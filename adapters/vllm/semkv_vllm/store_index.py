@@ -26,7 +26,8 @@ def block_keys(namespace: str, tokens: Sequence[int], block_size: int, start_blo
                parent: bytes | None = None) -> list[bytes]:
     """Chained 16-byte keys of every full block of ``tokens`` from ``start_block`` on."""
     keys: list[bytes] = []
-    prev = parent if parent is not None else hashlib.blake2b(namespace.encode(), digest_size=16).digest()
+    prev = (parent if parent is not None
+            else hashlib.blake2b(namespace.encode(), digest_size=16).digest())
     for start in range(start_block * block_size, len(tokens) - block_size + 1, block_size):
         chunk = array("q", tokens[start : start + block_size]).tobytes()
         prev = hashlib.blake2b(prev + chunk, digest_size=16).digest()

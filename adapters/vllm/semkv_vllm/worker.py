@@ -70,7 +70,8 @@ class WorkerSide:
 
     # -- loads -----------------------------------------------------------------------------
     def _valid(self, op: LoadOp) -> bool:
-        return all(self.slot_generation[s] == g for s, g in zip(op.slots, op.generations))
+        return all(self.slot_generation[s] == g
+                   for s, g in zip(op.slots, op.generations, strict=True))
 
     def start_load_kv(self) -> None:
         if self._meta is None or not self._meta.loads:
@@ -181,7 +182,7 @@ class WorkerSide:
                 self.slot_generation[slot] = -1
             log.warning("save_failed", blocks=len(op.block_ids), error_type=type(exc).__name__)
             return
-        for slot, generation in zip(op.slots, op.generations):
+        for slot, generation in zip(op.slots, op.generations, strict=False):
             self.slot_generation[slot] = generation
         self.stats.inc("saved_blocks", amount=len(op.slots))
 
