@@ -83,13 +83,13 @@ def test_exact_tier_matches_vllm_prefix_hit(llm, record_property):
     hits = [s for s in summaries if s["provenance"] == "exact_external_kv_hit"]
     assert len(hits) == len(cases), [s["fallback_reason"] for s in summaries]
     assert all(s["external_tokens"] >= 2 * BLOCK for s in hits)
-    identical = [a == b for a, b in zip(semkv_out, vllm_out)]
+    identical = [a == b for a, b in zip(semkv_out, vllm_out, strict=True)]
     assert all(identical), f"{identical.count(False)} exact-tier outputs differ from vLLM's own hit"
     loaded = after.get("vllm:semkv_loaded_tokens", 0) - before.get("vllm:semkv_loaded_tokens", 0)
     reported = sum(s["external_tokens"] for s in hits)
     assert loaded == reported, "the worker must confirm every reported token as loaded"
-    agree_cold = sum(a == b for a, b in zip(semkv_out, cold_out))
-    vllm_agree_cold = sum(a == b for a, b in zip(vllm_out, cold_out))
+    agree_cold = sum(a == b for a, b in zip(semkv_out, cold_out, strict=True))
+    vllm_agree_cold = sum(a == b for a, b in zip(vllm_out, cold_out, strict=True))
     report = {"targets": len(cases), "semkv_hits": len(hits), "identical_to_vllm_prefix_hit":
               sum(identical), "semkv_agrees_with_cold": agree_cold,
               "vllm_prefix_hit_agrees_with_cold": vllm_agree_cold,
@@ -97,7 +97,7 @@ def test_exact_tier_matches_vllm_prefix_hit(llm, record_property):
     record_property("exact_tier", json.dumps(report))
     print("EXACT_TIER_REPORT", json.dumps(report))
     # semkv may differ from cold only where vLLM's own prefix hit differs too
-    assert all(s == c for s, v, c in zip(semkv_out, vllm_out, cold_out) if v == c)
+    assert all(s == c for s, v, c in zip(semkv_out, vllm_out, cold_out, strict=True) if v == c)
 
 
 def test_chunked_prefill_long_prompt_saved_and_loaded(llm):
