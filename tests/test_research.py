@@ -205,6 +205,46 @@ def test_greedy_and_logprob_match_the_models_own(lm: LayerwiseModel) -> None:
     assert greedy(lm, result, 1, suppress_ids={answer[0]})[0] != answer[0]
 
 
+# -- provider discovery ----------------------------------------------------------------------
+
+def test_providers_discover_the_true_donor_and_record_negatives(lm: LayerwiseModel) -> None:
+    from transformers import AutoTokenizer
+
+    from semkv.bundled_model import ensure_model
+    from semkv.research.study import StudyConfig, run_study
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_model()))
+    config = StudyConfig(clusters_per_type=1, target_tokens=64, max_new_tokens=3,
+                         kinds=("exact_control", "negative_unrelated"),
+                         strategies=(Strategy.none(),), controls=False)
+    providers = ("chunks", "minhash")
+    result = run_study(lm, tokenizer, config, providers=providers)
+    # per target: the reference, the ground-truth donor, one discovered run per provider
+    assert len(result.runs) == 2 * (2 + len(providers))
+    assert result.config["providers"] == list(providers)
+    runs = {(r["kind"], r["donor_mode"], r.get("provider")): r for r in result.runs}
+    summary = result.summary()
+    true = runs["exact_control", "true_donor", None]
+    assert summary["exact_control"]["true_donor"]["none"]["n"] == 1.0  # old keys unchanged
+    for provider in providers:
+        found = runs["exact_control", "discovered", provider]
+        assert found["proposed"] and found["discovered_correct"] is True
+        assert found["donor_id"] == true["donor_id"] and found["false_positive"] is None
+        assert found["reused_tokens"] == true["reused_tokens"] > 0
+        negative = runs["negative_unrelated", "discovered", provider]
+        assert negative["discovered_correct"] is None
+        if negative["donor_id"] is None:  # nothing proposed: a full prefill, the reference
+            assert negative["false_positive"] is False and negative["no_donor"]
+            assert negative["reused_tokens"] == 0 and negative["exact_match"]
+            assert negative["flops_saved"] == 0.0
+        else:
+            assert negative["false_positive"] is True and negative["candidates"] >= 1
+        means = summary["negative_unrelated"][f"discovered:{provider}"]["none"]
+        assert means["false_positive"] == float(negative["donor_id"] is not None)
+        assert summary["exact_control"][f"discovered:{provider}"]["none"][
+            "discovered_correct"] == 1.0
+
+
 # -- metrics and packaging -------------------------------------------------------------------
 
 def test_quality_metrics_on_hand_made_tokens() -> None:

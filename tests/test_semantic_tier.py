@@ -206,3 +206,18 @@ def test_unsupported_engine_serves_and_stores_nothing(h):
     h.run()
     assert h.outputs["t"]["semkv"]["fallback_reason"] == "unsupported_request"
     h.assert_no_leaks()
+
+
+def test_workers_without_a_known_page_layout_get_no_token_level_loads():
+    h = make_harness(SEMANTIC, scheduler_cls=CommitPolicyScheduler)
+    h.worker._worker.layout = None  # as on a backend whose pages the probe cannot map
+    body = doc(19, 320)
+    _serve_donor(h, doc(20, 64) + body)
+    assert h.side.layout_known is False  # the worker said so with its first step's output
+    target = body + doc(21, 40)
+    h.add("t", target)
+    assert not h.step().kv_connector_metadata.loads
+    h.run()
+    s = h.outputs["t"]["semkv"]
+    assert (s["fallback_reason"], s["external_tokens"]) == ("unsupported_request", 0)
+    h.assert_no_leaks()

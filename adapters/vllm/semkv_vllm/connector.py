@@ -181,6 +181,7 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.register_kv_caches(kv_caches)
         if self._semantic:
             self._worker.layout = _probe_layout(self._vllm_config, kv_caches)
+            self._worker.report_layout = True
             log.info("page_layout", known=self._worker.layout is not None)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

@@ -55,6 +55,8 @@ class SemkvWorkerMetadata(KVConnectorWorkerMetadata):
 
     loaded_blocks: dict[str, int] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
+    # Reported once by each worker: can it edit its pages token by token (PageLayout known)?
+    layout_known: bool | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, SemkvWorkerMetadata)
@@ -64,4 +66,6 @@ class SemkvWorkerMetadata(KVConnectorWorkerMetadata):
             rid: min(self.loaded_blocks.get(rid, 0), other.loaded_blocks.get(rid, 0))
             for rid in self.loaded_blocks.keys() | other.loaded_blocks.keys()
         }
-        return SemkvWorkerMetadata(merged, self.failed | other.failed)
+        known = (None if self.layout_known is None and other.layout_known is None
+                 else bool(self.layout_known is not False and other.layout_known is not False))
+        return SemkvWorkerMetadata(merged, self.failed | other.failed, known)

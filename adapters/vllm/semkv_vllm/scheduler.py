@@ -91,6 +91,7 @@ class SchedulerSide:
         self.engine_supported = engine_supported
         self.provider = provider
         self.can_shift = can_shift  # positions of this model's keys can be moved (RoPE)
+        self.layout_known = False  # every worker reported a known page layout
         self.request_only_enforced = request_only_enforced
         self.materialize = config.semantic_mode in (Mode.MATERIALIZE_EXACT,
                                                     Mode.MATERIALIZE_SEMANTIC)
@@ -218,8 +219,8 @@ class SchedulerSide:
         if not self.request_only_enforced():
             return FallbackReason.RECOMPUTE_POLICY  # loaded KV could become exact cache state
         span = assessment.span if assessment is not None else None
-        if span is None or (span.shifted and not self.can_shift):
-            return FallbackReason.UNSUPPORTED_REQUEST
+        if span is None or not self.layout_known or (span.shifted and not self.can_shift):
+            return FallbackReason.UNSUPPORTED_REQUEST  # pages or positions cannot be edited
         return None
 
     def _lookup(self, st: _Req, local: int) -> LookupResult | None:
@@ -399,6 +400,8 @@ class SchedulerSide:
     def update_connector_output(self, worker_meta: Any) -> None:
         if not isinstance(worker_meta, SemkvWorkerMetadata):
             return
+        if worker_meta.layout_known is not None:
+            self.layout_known = worker_meta.layout_known
         # NOTE: vLLM frees requests that stop in this step before it hands us the step's worker
         # output, so the counter counts confirmations whether or not the request is still here.
         for rid, blocks in worker_meta.loaded_blocks.items():

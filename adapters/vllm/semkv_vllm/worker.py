@@ -52,6 +52,7 @@ class WorkerSide:
         self._loaded: dict[str, int] = {}
         self._failed: set[str] = set()
         self._failed_counted: set[str] = set()  # one materialize_failed per request and step
+        self.report_layout = False  # set when token-level loads are configured
 
     # -- setup -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -196,8 +197,11 @@ class WorkerSide:
         return invalid
 
     def take_worker_meta(self) -> SemkvWorkerMetadata | None:
-        if not self._loaded and not self._failed:
+        layout = None
+        if self.report_layout:
+            layout, self.report_layout = self.layout is not None, False
+        if not self._loaded and not self._failed and layout is None:
             return None
-        meta = SemkvWorkerMetadata(dict(self._loaded), set(self._failed))
+        meta = SemkvWorkerMetadata(dict(self._loaded), set(self._failed), layout)
         self._loaded, self._failed, self._failed_counted = {}, set(), set()
         return meta
