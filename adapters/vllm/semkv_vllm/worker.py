@@ -68,6 +68,7 @@ class WorkerSide:
 
     def clear(self) -> None:
         self._meta = None
+        self._maps.clear()  # token maps live for one step (keyed by the step's op objects)
 
     # -- loads -----------------------------------------------------------------------------
     def _valid(self, op: LoadOp) -> bool:
