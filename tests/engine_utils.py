@@ -28,7 +28,7 @@ def engine(extra_config: dict[str, Any] | None, **overrides: Any) -> Iterator[An
     from semkv.bundled_model import ensure_model
 
     args: dict[str, Any] = dict(
-        model=str(ensure_model()), dtype="float32", gpu_memory_utilization=0.3,
+        model=str(ensure_model()), dtype="float32", gpu_memory_utilization=0.1,
         max_model_len=4096, block_size=BLOCK, enable_prefix_caching=True, enforce_eager=True,
         max_num_batched_tokens=1024, disable_log_stats=False, seed=0,
     )

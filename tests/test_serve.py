@@ -57,7 +57,7 @@ def server(tmp_path_factory):
            "--model", str(ensure_model()), "--served-model-name", "smollm2",
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--max-model-len", "4096", "--block-size", "32", "--enforce-eager",
-           "--gpu-memory-utilization", "0.3", "--enable-prefix-caching",
+           "--gpu-memory-utilization", "0.1", "--enable-prefix-caching",
            "--kv-transfer-config", json.dumps(config)]
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1")
     with open(log, "w") as out:
