@@ -29,29 +29,6 @@ CONNECTOR = {"kv_connector": "SemanticKVConnector",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 
 
-def rouge_l(hyp: list[int], ref: list[int]) -> float:
-    from rapidfuzz.distance import LCSseq
-
-    if not hyp or not ref:
-        return float(hyp == ref)
-    lcs = LCSseq.similarity(hyp, ref)
-    p, r = lcs / len(hyp), lcs / len(ref)
-    return 0.0 if lcs == 0 else 2 * p * r / (p + r)
-
-
-def token_f1(hyp: list[int], ref: list[int]) -> float:
-    common = sum((Counter(hyp) & Counter(ref)).values())
-    if common == 0:
-        return float(hyp == ref)
-    p, r = common / len(hyp), common / len(ref)
-    return 2 * p * r / (p + r)
-
-
-def first_divergence(a: list[int], b: list[int]) -> int:
-    pairs = enumerate(zip(a, b, strict=False))
-    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
-
-
 def build_engine(extra: dict[str, Any], max_len: int) -> Any:
     from vllm import LLM
 
@@ -119,6 +96,7 @@ def main() -> None:
 
     from semkv.bundled_model import ensure_model
     from semkv.eval import build_workload
+    from semkv.research.quality import first_divergence, rouge_l, token_f1
 
     tok = AutoTokenizer.from_pretrained(str(ensure_model()))
     wl = build_workload(args.seed, clusters_per_type=args.clusters,
