@@ -70,10 +70,11 @@ class GuardedProvider:
             raise TypeError("provider lookup must return a list of Candidate")
         good: list[Candidate] = []
         for item in raw[: query.max_candidates]:
+            checked = _revalidated(item)
             ok = (
-                isinstance(item, Candidate)
-                and item.namespace == query.namespace
-                and item.target_start + item.num_tokens <= len(query.token_ids)
+                checked is not None
+                and checked.namespace == query.namespace
+                and checked.target_start + checked.num_tokens <= len(query.token_ids)
             )
             if ok:
                 good.append(item)
@@ -170,3 +171,18 @@ class GuardedProvider:
             self.provider.close()
         except Exception:  # noqa: BLE001
             self.counters["close_errors"] += 1
+
+
+def _revalidated(item: object) -> Candidate | None:
+    """The candidate if it passes ``Candidate``'s own checks again, else None.
+
+    NOTE: ``model_copy(update=...)`` and ``model_construct`` skip validation, so a provider can
+    hand back negative offsets or a NaN similarity inside a real ``Candidate``; admission would
+    then fail on them (a negative ``donor_start`` raised inside the engine's scheduler step).
+    """
+    if not isinstance(item, Candidate):
+        return None
+    try:
+        return Candidate.model_validate(dict(item))
+    except ValueError:  # pydantic's ValidationError is a ValueError
+        return None

@@ -9,7 +9,14 @@ lookups, misbehaves in the chosen way instead of answering. It is registered thr
 
 Fault kinds: ``raise`` (an exception), ``hang`` (sleeps ``hang_seconds``, past any budget),
 ``garbage`` (a non-list answer), ``foreign`` (candidates from another namespace),
-``out_of_range`` (spans past the end of the prompt), ``unknown_donor`` (an id never registered).
+``out_of_range`` (spans past the end of the prompt), ``unknown_donor`` (an id never registered),
+``negative`` (negative span offsets and counts), ``unaligned`` (a span that starts and ends
+inside blocks), ``nan_similarity`` (a NaN similarity).
+
+NOTE: malformed candidates are built with ``model_copy(update=...)``, which skips pydantic's
+validation, exactly as a careless provider could; the guard must re-validate them.
+NOTE: every injected fault is logged as ``fault_injected`` with its kind (no request data), so
+a chaos run can count faults by kind from the engine's log.
 """
 
 from __future__ import annotations
@@ -24,10 +31,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 import semkv
+from semkv.log import get_logger
 from semkv.provider import DonorProvider, DonorRecord, LookupQuery, ProviderContext
 from semkv.types import Candidate
 
-FaultKind = Literal["raise", "hang", "garbage", "foreign", "out_of_range", "unknown_donor"]
+FaultKind = Literal["raise", "hang", "garbage", "foreign", "out_of_range", "unknown_donor",
+                    "negative", "unaligned", "nan_similarity"]
+log = get_logger("semkv.testing.faults")
 
 
 class FaultyConfig(BaseModel):
@@ -64,7 +74,8 @@ class FaultyProvider(DonorProvider):
                 return None
             kind = self._rng.choice(self.config.faults)
             self.injected[kind] += 1
-            return kind
+        log.info("fault_injected", kind=kind)
+        return kind
 
     def lookup(self, query: LookupQuery) -> list[Candidate]:
         kind = self._pick()
@@ -84,6 +95,15 @@ class FaultyProvider(DonorProvider):
             return [first.model_copy(update={"namespace": "another-namespace"})]
         if kind == "out_of_range":
             return [first.model_copy(update={"num_tokens": len(query.token_ids) + 64})]
+        if kind == "negative":
+            return [first.model_copy(update={"donor_start": -1, "num_tokens": -64})]
+        if kind == "unaligned":
+            bs = self.context.block_size if self.context is not None else 16
+            span = max(min(len(query.token_ids) - 5, 3 * bs + 1), 0)
+            return [first.model_copy(update={"target_start": min(5, len(query.token_ids)),
+                                             "donor_start": 5, "num_tokens": span})]
+        if kind == "nan_similarity":
+            return [first.model_copy(update={"similarity": float("nan")})]
         return [first.model_copy(update={"donor_id": "never-registered"})]
 
     def register_donor(self, donor: DonorRecord) -> None:
