@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from typing import cast
 
 # family -> (label name or None, help text)
 FAMILIES: dict[str, tuple[str | None, str]] = {
@@ -79,7 +80,7 @@ class CounterBag:
         self.gauges: dict[str, float] = {}
         self.observations: dict[str, list[float]] = {}
 
-    def inc(self, family: str, label: object | None = None, amount: float = 1) -> None:
+    def inc(self, family: str, label: object | None = None, amount: int = 1) -> None:
         self.counters[key(family, label)] += amount
 
     def set(self, gauge: str, value: float) -> None:
@@ -103,9 +104,13 @@ class CounterBag:
     def from_dict(cls, data: Mapping[str, object] | None) -> CounterBag:
         bag = cls()
         if data:
-            bag.counters.update(data.get("counters", {}))  # type: ignore[arg-type]
-            bag.gauges.update(data.get("gauges", {}))  # type: ignore[arg-type]
-            for name, values in dict(data.get("observations", {})).items():  # type: ignore[call-overload]
+            # The mapping crossed a process boundary as plain data (to_dict's shape).
+            counters = cast(Mapping[str, int], data.get("counters", {}))
+            gauges = cast(Mapping[str, float], data.get("gauges", {}))
+            observations = cast(Mapping[str, Iterable[float]], data.get("observations", {}))
+            bag.counters.update(counters)
+            bag.gauges.update(gauges)
+            for name, values in observations.items():
                 bag.observations[name] = list(values)
         return bag
 

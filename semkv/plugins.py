@@ -98,7 +98,9 @@ def plugin_versions() -> list[dict[str, str]]:
                      into: list[str] = names) -> None:
             into.append(name or cls.name)
 
-        plugin.register_providers(register=register)
+        hook = getattr(plugin, "register_providers", None)  # pluggy hands plugins as objects
+        if hook is not None:
+            hook(register=register)
         for provider in names:
             rows.append(
                 {

@@ -88,13 +88,13 @@ class LayerwiseModel:
     def embed(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
         with torch.no_grad():
-            return self.model.model.embed_tokens(ids[None, :])  # type: ignore[no-any-return]
+            return self.model.model.embed_tokens(ids[None, :])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits ``[tokens, vocab]`` (fp32) from last-layer hidden states."""
         with torch.no_grad():
             out = self.model.lm_head(self.model.model.norm(hidden))
-        return out[0].to(torch.float32)  # type: ignore[no-any-return]
+        return out[0].to(torch.float32)
 
     def run_layers(
         self,
@@ -152,7 +152,7 @@ class LayerwiseModel:
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(weights, values).transpose(1, 2).reshape(1, tokens, -1)
         hidden = hidden + attn.o_proj(out)
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))  # type: ignore[no-any-return]
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
     # -- whole passes -----------------------------------------------------------------------
 

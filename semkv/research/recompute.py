@@ -75,7 +75,7 @@ class Strategy:
             return f"first{self.first_k}"
         if self.kind is StrategyKind.BLEND:
             return f"blend{round(self.ratio * 100)}"
-        return self.kind.value
+        return str(self.kind.value)
 
 
 @dataclass

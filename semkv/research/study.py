@@ -114,13 +114,16 @@ class StudyResult:
 
 def _donor_choices(target: Prompt, donors: dict[str, tuple[int, ...]], ids: Sequence[int],
                    config: StudyConfig) -> list[tuple[str, str]]:
-    options = {"chunk_tokens": config.chunk_tokens, "min_run_tokens": config.min_run_tokens}
+    def rank(exclude: Sequence[str] = ()) -> list[tuple[str, int]]:
+        return rank_donors(ids, donors, exclude=exclude, chunk_tokens=config.chunk_tokens,
+                           min_run_tokens=config.min_run_tokens)
+
     if target.kind.is_negative or target.true_donor_id is None:
-        ranked = rank_donors(ids, donors, **options)
+        ranked = rank()
         return [(NEAREST_UNRELATED, ranked[0][0])] if ranked else []
     choices = [(TRUE_DONOR, target.true_donor_id)]
     if config.controls:
-        ranked = rank_donors(ids, donors, exclude=[target.true_donor_id], **options)
+        ranked = rank(exclude=[target.true_donor_id])
         if ranked:
             choices.append((WRONG_DONOR, ranked[0][0]))
     return choices

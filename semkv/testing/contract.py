@@ -20,6 +20,7 @@ from semkv.types import Candidate
 NS_A = "namespace-a"
 NS_B = "namespace-b"
 DOC_TOKENS = 256
+Docs = list[tuple[int, ...]]  # the corpus fixture: token ids per synthetic document
 
 
 def _donor(donor_id: str, tokens: tuple[int, ...], namespace: str = NS_A) -> DonorRecord:
@@ -46,22 +47,22 @@ class ProviderContract:
         built.close()
 
     @pytest.fixture
-    def docs(self, semkv_corpus: SyntheticCorpus) -> list[tuple[int, ...]]:
+    def docs(self, semkv_corpus: SyntheticCorpus) -> Docs:
         return semkv_corpus.documents(12, DOC_TOKENS)
 
-    def _load(self, provider: DonorProvider, docs: list[tuple[int, ...]]) -> None:
+    def _load(self, provider: DonorProvider, docs: Docs) -> None:
         for i, doc in enumerate(docs):
             provider.register_donor(_donor(f"d{i}", doc))
         provider.flush()
 
-    def test_finds_identical_donor(self, provider: DonorProvider, docs: list) -> None:
+    def test_finds_identical_donor(self, provider: DonorProvider, docs: Docs) -> None:
         self._load(provider, docs)
         for i in (0, 5, 11):
             found = provider.lookup(_query(docs[i]))
             assert f"d{i}" in _ids(found), f"identical donor d{i} not found"
             assert found[0].similarity == max(c.similarity for c in found)
 
-    def test_candidates_are_well_formed(self, provider: DonorProvider, docs: list) -> None:
+    def test_candidates_are_well_formed(self, provider: DonorProvider, docs: Docs) -> None:
         self._load(provider, docs)
         lengths = {f"d{i}": len(d) for i, d in enumerate(docs)}
         # A target that shares its second half with d3 and its first half with nothing.
@@ -76,7 +77,7 @@ class ProviderContract:
                 assert c.donor_start + c.num_tokens <= lengths[c.donor_id]
                 assert c.target_start + c.num_tokens <= len(query_tokens)
 
-    def test_namespace_isolation(self, provider: DonorProvider, docs: list) -> None:
+    def test_namespace_isolation(self, provider: DonorProvider, docs: Docs) -> None:
         provider.register_donor(_donor("only-in-a", docs[0], NS_A))
         provider.register_donor(_donor("only-in-b", docs[1], NS_B))
         provider.flush()
@@ -84,7 +85,7 @@ class ProviderContract:
         assert "only-in-b" not in _ids(provider.lookup(_query(docs[1], NS_A)))
         assert all(c.namespace == NS_B for c in provider.lookup(_query(docs[1], NS_B)))
 
-    def test_eviction(self, provider: DonorProvider, docs: list) -> None:
+    def test_eviction(self, provider: DonorProvider, docs: Docs) -> None:
         self._load(provider, docs)
         provider.evict("d2")
         provider.evict("never-registered")  # a no-op, never an error
@@ -92,7 +93,7 @@ class ProviderContract:
         assert "d2" not in _ids(provider.lookup(_query(docs[2])))
         assert "d4" in _ids(provider.lookup(_query(docs[4])))
 
-    def test_reset(self, provider: DonorProvider, docs: list) -> None:
+    def test_reset(self, provider: DonorProvider, docs: Docs) -> None:
         self._load(provider, docs)
         provider.reset()
         provider.flush()
@@ -101,13 +102,13 @@ class ProviderContract:
         provider.flush()
         assert "again" in _ids(provider.lookup(_query(docs[0])))
 
-    def test_reregistering_replaces(self, provider: DonorProvider, docs: list) -> None:
+    def test_reregistering_replaces(self, provider: DonorProvider, docs: Docs) -> None:
         provider.register_donor(_donor("x", docs[0]))
         provider.register_donor(_donor("x", docs[1]))
         provider.flush()
         assert "x" in _ids(provider.lookup(_query(docs[1])))
 
-    def test_determinism(self, make_provider: Callable[[], DonorProvider], docs: list) -> None:
+    def test_determinism(self, make_provider: Callable[[], DonorProvider], docs: Docs) -> None:
         answers = []
         for _ in range(2):
             built = make_provider()
@@ -118,7 +119,9 @@ class ProviderContract:
                 built.close()
         assert answers[0] == answers[1]
 
-    def test_bad_input(self, provider: DonorProvider, make_provider: Callable) -> None:
+    def test_bad_input(
+        self, provider: DonorProvider, make_provider: Callable[[], DonorProvider]
+    ) -> None:
         assert provider.lookup(_query(())) == []  # empty prompt: nothing, and no error
         cls = type(provider)
         with pytest.raises(ValidationError):

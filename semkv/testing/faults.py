@@ -37,6 +37,7 @@ from semkv.types import Candidate
 
 FaultKind = Literal["raise", "hang", "garbage", "foreign", "out_of_range", "unknown_donor",
                     "negative", "unaligned", "nan_similarity"]
+_DEFAULT_FAULTS: list[FaultKind] = ["raise"]
 log = get_logger("semkv.testing.faults")
 
 
@@ -45,7 +46,7 @@ class FaultyConfig(BaseModel):
 
     inner: str = "chunks"
     inner_config: dict[str, Any] = Field(default_factory=dict)
-    faults: list[FaultKind] = Field(default_factory=lambda: ["raise"], min_length=1)
+    faults: list[FaultKind] = Field(default_factory=lambda: _DEFAULT_FAULTS.copy(), min_length=1)
     rate: float = Field(default=1.0, ge=0.0, le=1.0)
     hang_seconds: float = Field(default=2.0, ge=0.0)
     seed: int = 0

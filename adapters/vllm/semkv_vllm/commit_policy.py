@@ -53,7 +53,7 @@ class CommitPolicyScheduler(Scheduler):
                 return
             commit(request, num_computed_tokens)
 
-        coordinator.cache_blocks = cache_blocks  # type: ignore[method-assign]
+        coordinator.cache_blocks = cache_blocks
         if connector is not None and hasattr(connector, "commit_policy_enforced"):
             connector.commit_policy_enforced = True
 

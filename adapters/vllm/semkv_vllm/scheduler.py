@@ -105,7 +105,7 @@ class SchedulerSide:
         self.stats = CounterBag()
         self.kv_cache_manager: Any = None
         self._ids = itertools.count(1)
-        self._exported: dict[str, float] = {}
+        self._exported: dict[str, int] = {}  # the guard's counters, as last exported
 
     # -- request registration ----------------------------------------------------------------
     def _state(self, request: Any) -> _Req:

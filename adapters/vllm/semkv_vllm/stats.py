@@ -79,14 +79,14 @@ class SemkvPromMetrics(KVConnectorPromMetrics):
             return
         engine = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
         bag = CounterBag.from_dict(transfer_stats_data)
-        for counter_key, value in bag.counters.items():
+        for counter_key, count in bag.counters.items():
             family, label = split(counter_key)
             metric = self._counters.get(family)
-            if metric is not None and value:
-                metric.labels(*engine, *([label] if label else [])).inc(value)
-        for name, value in bag.gauges.items():
+            if metric is not None and count:
+                metric.labels(*engine, *([label] if label else [])).inc(count)
+        for name, level in bag.gauges.items():
             if name in self._gauges:
-                self._gauges[name].labels(*engine).set(value)
+                self._gauges[name].labels(*engine).set(level)
         for name, values in bag.observations.items():
             if name in self._histograms:
                 for value in values:

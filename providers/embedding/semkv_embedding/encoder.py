@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
+    from numpy.typing import NDArray
 
 INSTALL_HINT = (
     "pip install semkv-embedding (it brings sentence-transformers, faiss-cpu and "
@@ -87,7 +88,9 @@ class Encoder:
         mask = prep(windows)["attention_mask"]
         return [int(n) for n in mask.sum(dim=1).tolist()]
 
-    def encode(self, texts: list[str], timeout_s: float | None = None) -> np.ndarray | None:
+    def encode(
+        self, texts: list[str], timeout_s: float | None = None
+    ) -> NDArray[np.float32] | None:
         """Unit vectors (float32, one row per text; zeros for blank text), or None when the
         model stayed busy past ``timeout_s``."""
         import numpy as np

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
+    from numpy.typing import NDArray
 
 HNSW_M = 32  # graph degree: faiss's usual default for sentence-embedding sizes
 _MIN_TOMBSTONES = 256  # below this, compaction is not worth a pass
@@ -54,7 +55,7 @@ class NamespaceIndex:
     def __len__(self) -> int:
         return len(self.live)
 
-    def add(self, ids: np.ndarray, vectors: np.ndarray) -> None:
+    def add(self, ids: NDArray[np.int64], vectors: NDArray[np.float32]) -> None:
         self.index.add_with_ids(vectors, ids)
         self.live.update(int(i) for i in ids)
 
@@ -68,7 +69,7 @@ class NamespaceIndex:
         t = len(self.tombstones)
         return t >= _MIN_TOMBSTONES and t * 4 >= self.index.ntotal
 
-    def vectors(self) -> tuple[np.ndarray, np.ndarray]:
+    def vectors(self) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
         """(ids, vectors) of the live entries."""
         import numpy as np
 
@@ -104,7 +105,7 @@ class NamespaceIndex:
         self.tombstones.clear()
         self._selector = None
 
-    def search(self, vector: np.ndarray, k: int) -> list[tuple[int, float]]:
+    def search(self, vector: NDArray[np.float32], k: int) -> list[tuple[int, float]]:
         """Up to ``k`` live (id, inner product) pairs, best first."""
         import numpy as np
 

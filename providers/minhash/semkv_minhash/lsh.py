@@ -22,19 +22,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import numpy as np
+    from numpy.typing import NDArray
 
     from semkv_minhash.sketch import ShingleSketcher
 
 
 class BandIndex(Protocol):
-    def insert(self, key: str, signature: np.ndarray) -> None: ...
+    def insert(self, key: str, signature: NDArray[np.uint32]) -> None: ...
 
-    def remove(self, key: str, signature: np.ndarray) -> None: ...
+    def remove(self, key: str, signature: NDArray[np.uint32]) -> None: ...
 
-    def query(self, signature: np.ndarray) -> set[str]: ...
+    def query(self, signature: NDArray[np.uint32]) -> set[str]: ...
 
 
-def band_keys(signature: np.ndarray, params: tuple[int, int]) -> list[bytes]:
+def band_keys(signature: NDArray[np.uint32], params: tuple[int, int]) -> list[bytes]:
     """datasketch's band keys: ``bytes(signature[i*r:(i+1)*r].byteswap().data)`` per band."""
     bands, rows = params
     raw = signature.byteswap().tobytes()
@@ -47,7 +48,7 @@ class CompactLSH:
         self.params = params
         self.tables: list[dict[bytes, str | set[str]]] = [{} for _ in range(params[0])]
 
-    def insert(self, key: str, signature: np.ndarray) -> None:
+    def insert(self, key: str, signature: NDArray[np.uint32]) -> None:
         for table, band in zip(self.tables, band_keys(signature, self.params), strict=True):
             held = table.get(band)
             if held is None:
@@ -57,7 +58,7 @@ class CompactLSH:
             elif held != key:
                 table[band] = {held, key}
 
-    def remove(self, key: str, signature: np.ndarray) -> None:
+    def remove(self, key: str, signature: NDArray[np.uint32]) -> None:
         for table, band in zip(self.tables, band_keys(signature, self.params), strict=True):
             held = table.get(band)
             if held == key:
@@ -67,7 +68,7 @@ class CompactLSH:
                 if len(held) == 1:  # back to an untracked plain string
                     table[band] = next(iter(held))
 
-    def query(self, signature: np.ndarray) -> set[str]:
+    def query(self, signature: NDArray[np.uint32]) -> set[str]:
         found: set[str] = set()
         for table, band in zip(self.tables, band_keys(signature, self.params), strict=True):
             held = table.get(band)
@@ -89,12 +90,12 @@ class DatasketchLSH:
         self._sketcher = sketcher
         self._lsh: Any = MinHashLSH(num_perm=sketcher.num_perm, params=params)
 
-    def insert(self, key: str, signature: np.ndarray) -> None:
+    def insert(self, key: str, signature: NDArray[np.uint32]) -> None:
         self._lsh.insert(key, self._sketcher.minhash(signature), check_duplication=False)
 
-    def remove(self, key: str, signature: np.ndarray) -> None:
+    def remove(self, key: str, signature: NDArray[np.uint32]) -> None:
         if key in self._lsh:
             self._lsh.remove(key)
 
-    def query(self, signature: np.ndarray) -> set[str]:
+    def query(self, signature: NDArray[np.uint32]) -> set[str]:
         return set(self._lsh.query(self._sketcher.minhash(signature)))

@@ -39,6 +39,7 @@ from semkv.types import Candidate
 
 if TYPE_CHECKING:
     import numpy as np
+    from numpy.typing import NDArray
 
     from semkv_minhash.lsh import BandIndex
 
@@ -100,7 +101,7 @@ class MinHashProvider(DonorProvider):
         self._lock = threading.Lock()
         # Per-donor state in flat dicts of untracked values: nothing per donor for the GC to walk.
         self._namespace_of: dict[str, str] = {}
-        self._signature_of: dict[str, np.ndarray] = {}
+        self._signature_of: dict[str, NDArray[np.uint32]] = {}
         self._shingles_of: dict[str, int] = {}  # unique shingles, for the coverage signal
         self._lsh: dict[str, BandIndex] = {}
         self._per_namespace: Counter[str] = Counter()

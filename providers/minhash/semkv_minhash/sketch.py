@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
+    from numpy.typing import NDArray
 
 # Shingles per block of the (shingles x num_perm) scratch matrix: bounds memory on long prompts
 # and keeps the block near cache size.
@@ -35,14 +36,14 @@ class ShingleSketcher:
         self.shingle_tokens = shingle_tokens
         self.seed = seed
         # Taken from datasketch itself so signatures stay comparable with its MinHash objects.
-        self.permutations: np.ndarray = MinHash(num_perm=num_perm, seed=seed).permutations
+        self.permutations: NDArray[np.uint64] = MinHash(num_perm=num_perm, seed=seed).permutations
         self._a = self.permutations[0][None, :]
         self._b = self.permutations[1][None, :]
         rng = np.random.default_rng(seed)
         # Odd 64-bit multipliers: every position of the shingle moves the hash.
         self._coeffs = rng.integers(0, 1 << 62, size=shingle_tokens, dtype=np.uint64) * 2 + 1
 
-    def shingles(self, token_ids: Sequence[int]) -> np.ndarray:
+    def shingles(self, token_ids: Sequence[int]) -> NDArray[np.uint32]:
         """Sorted unique 32-bit hashes of the shingles of ``token_ids`` (empty for no tokens)."""
         import numpy as np
 
@@ -60,15 +61,15 @@ class ShingleSketcher:
         h ^= h >> np.uint64(33)
         h *= np.uint64(0xC4CEB9FE1A85EC53)
         h ^= h >> np.uint64(33)
-        folded: np.ndarray = np.sort((h ^ (h >> np.uint64(32))).astype(np.uint32))
+        folded: NDArray[np.uint32] = np.sort((h ^ (h >> np.uint64(32))).astype(np.uint32))
         # Sort-based dedup: ten times faster than np.unique's hash path at prompt sizes (measured).
         keep = np.empty(len(folded), dtype=bool)
         keep[0] = True
         np.not_equal(folded[1:], folded[:-1], out=keep[1:])
-        unique: np.ndarray = folded[keep]
+        unique: NDArray[np.uint32] = folded[keep]
         return unique
 
-    def signature(self, hashes: np.ndarray) -> np.ndarray:
+    def signature(self, hashes: NDArray[np.uint32]) -> NDArray[np.uint32]:
         """MinHash hash values (uint32, length ``num_perm``) of a set of shingle hashes."""
         import numpy as np
 
@@ -93,7 +94,7 @@ class ShingleSketcher:
             np.minimum(out, block.min(axis=0), out=out)
         return out
 
-    def minhash(self, signature: np.ndarray) -> Any:
+    def minhash(self, signature: NDArray[np.uint32]) -> Any:
         """A datasketch ``MinHash`` over ``signature`` (what ``MinHashLSH`` takes)."""
         from datasketch import MinHash
 

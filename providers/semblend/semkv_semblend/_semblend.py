@@ -25,7 +25,7 @@ MINILM_HINT = (
 def require_semblend() -> Any:
     """The ``semblend_core.donor_store`` module, or an ImportError that says what to install."""
     try:
-        from semblend_core import donor_store  # type: ignore[import-untyped]
+        from semblend_core import donor_store
     except ImportError as exc:
         raise ImportError(f"the semkv provider 'semblend' needs SemBlend: {INSTALL_HINT}") from exc
     return donor_store
@@ -46,7 +46,7 @@ def shared_embedder(model_path: str | None, device: str) -> Any:
     """
     try:
         import sentence_transformers  # noqa: F401 - fail early with an install hint
-        from semblend_core.embedder import MiniLMEmbedder  # type: ignore[import-untyped]
+        from semblend_core.embedder import MiniLMEmbedder
     except ImportError as exc:
         raise ImportError(f"the semblend provider's MiniLM embedder needs: {MINILM_HINT}") from exc
     if model_path is None:
