@@ -69,6 +69,9 @@ class SemkvConfig(BaseSettings):
     donor_store_bytes: ByteSize = Field(default=ByteSize(1 << 30), ge=1 << 20)
     async_lookup: bool = False
     async_load: bool = False
+    async_save: bool = Field(default=True, description=(
+        "Copy finished prompt blocks into the donor store on a background thread, off the "
+        "step's critical path (drained before the next step touches the KV cache)."))
     layerwise_load: bool = Field(default=False, description="Copy donor KV layer by layer.")
     provider_config: dict[str, Any] = Field(default_factory=dict)
     config_file: Path | None = Field(default=None, description="Optional YAML file.")

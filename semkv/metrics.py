@@ -49,8 +49,12 @@ _FRACTION = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
     "lookup_seconds": ("Time from lookup start to decision (provider plus admission).",
                        (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)),
+    "scheduler_seconds": ("semkv's scheduler-side time (every hook, lookups included) per step.",
+                          (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)),
     "save_seconds": ("Worker time per step copying finished prompt blocks into the donor store.",
                      (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)),
+    "save_wait_seconds": ("Time a step waited for in-flight donor saves before touching KV.",
+                          (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)),
     "load_seconds": ("Worker time per step copying donor KV into engine blocks (all-at-once).",
                      (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)),
     "request_external_tokens": ("External tokens reported per admitted request.", _TOKENS),

@@ -24,7 +24,9 @@ from tests.vllm_harness import BLOCK, HEAD_SIZE, make_harness, make_vllm_config,
 SEMANTIC = {"provider": "chunks", "semantic_mode": "materialize_semantic",
             "semantic_tiers": ["verified", "semantic"], "min_reuse_tokens": 64,
             "verified_min_reuse_tokens": 64, "semantic_min_reuse_tokens": 64,
-            "donor_store_bytes": "1MiB"}
+            "donor_store_bytes": "1MiB",
+            # lookups here are never the subject of timing: a loaded machine must not time out
+            "lookup_timeout_ms": 10_000}
 
 
 @pytest.fixture

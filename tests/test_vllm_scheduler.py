@@ -16,7 +16,9 @@ from semkv.provider import DonorProvider  # noqa: E402
 from tests.vllm_harness import BLOCK, make_harness  # noqa: E402
 
 EXACT = {"provider": "chunks", "semantic_mode": "materialize_exact", "min_reuse_tokens": 64,
-         "donor_store_bytes": "1MiB"}
+         "donor_store_bytes": "1MiB",
+         # lookups here are never the subject of timing: a loaded machine must not time out
+         "lookup_timeout_ms": 10_000}
 
 
 def doc(seed: int, n: int) -> list[int]:

@@ -89,6 +89,7 @@ class Harness:
     def step(self) -> Any:
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
+        self.worker.handle_preemptions(meta)  # vLLM's order: first, before any KV is touched
         self.worker.bind_connector_metadata(meta)
         if self.corrupt_next_load and meta.loads:
             for op in meta.loads:  # simulate a slot overwritten behind the scheduler's back

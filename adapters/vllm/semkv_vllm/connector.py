@@ -19,6 +19,9 @@ failure at request time ends in normal prefill.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -167,7 +170,8 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
             log.info("semkv_connector_ready", mode=str(self.config.semantic_mode),
                      provider=self.config.provider, slots=slots, bytes_per_slot=per_slot)
         else:
-            self._worker = WorkerSide(slots, layerwise=self.config.layerwise_load, rope=rope)
+            self._worker = WorkerSide(slots, layerwise=self.config.layerwise_load, rope=rope,
+                                      async_save=self.config.async_save)
         self._semantic = semantic
 
     @property
@@ -222,16 +226,31 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.take_worker_meta() if self._worker is not None else None
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        return None  # saves complete within their step; nothing is in flight to cancel
+        # NOTE: vLLM calls this first in every step, before freed blocks are zeroed or
+        # rewritten: the last moment an in-flight save may still read them.
+        if self._worker is not None:
+            self._worker.drain_saves()
 
     def get_kv_connector_stats(self) -> SemkvConnectorStats | None:
         side = self._scheduler or self._worker
         if side is None:
             return None
+        if isinstance(side, WorkerSide):
+            side.harvest_saves()
         bag = side.take_stats() if isinstance(side, SchedulerSide) else side.stats.take()
         return None if bag.is_empty() else SemkvConnectorStats(data=bag.to_dict())
 
     # -- scheduler side --------------------------------------------------------------------
+    @contextmanager
+    def _timed(self) -> Iterator[None]:
+        """Adds the hook's wall time to the step's scheduler-side overhead."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._scheduler is not None:
+                self._scheduler.hook_seconds += time.perf_counter() - started
+
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self._scheduler is not None:
@@ -239,12 +258,14 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def on_new_request(self, request: Request) -> None:
         if self._scheduler is not None:
-            self._scheduler.on_new_request(request)
+            with self._timed():
+                self._scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        with self._timed():
+            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def get_external_kv_cache_policy(self, request_id: str,
                                      num_external_tokens: int) -> ExternalKVCachePolicy:
@@ -256,20 +277,24 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        with self._timed():
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        with self._timed():
+            return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
-            self._scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
+            with self._timed():
+                self._scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return False, self._scheduler.request_finished(request)
+        with self._timed():
+            return False, self._scheduler.request_finished(request)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -284,6 +309,8 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()
 
     # -- metrics ---------------------------------------------------------------------------
     @classmethod

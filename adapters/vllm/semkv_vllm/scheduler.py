@@ -103,6 +103,7 @@ class SchedulerSide:
         self.requests: dict[str, _Req] = {}
         self.pending_loads: list[LoadOp] = []
         self.stats = CounterBag()
+        self.hook_seconds = 0.0  # connector hooks' time since the last stats export
         self.kv_cache_manager: Any = None
         self._ids = itertools.count(1)
         self._exported: dict[str, int] = {}  # the guard's counters, as last exported
@@ -491,6 +492,9 @@ class SchedulerSide:
             self.provider.close()
 
     def take_stats(self) -> CounterBag:
+        if self.hook_seconds:
+            self.stats.observe("scheduler_seconds", self.hook_seconds)
+            self.hook_seconds = 0.0
         if self.provider is not None:  # export the guard's counters as deltas
             for kind, value in self.provider.counters.items():
                 delta = value - self._exported.get(kind, 0)

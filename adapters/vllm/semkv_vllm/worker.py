@@ -11,14 +11,22 @@ NOTE: verified/semantic loads (``LoadOp.segments``) go token by token: donor pag
 through the ``PageLayout`` probed from the engine's own cache-write kernel, keys are moved to
 their new positions with ``RopeShift``, and whole target blocks are written back. Without a
 known layout (or a needed shift without a RopeShift) such a load fails and is recomputed.
-NOTE: saves run in ``wait_for_save``, after the whole forward, and only cover blocks whose
+NOTE: saves start in ``wait_for_save``, after the whole forward, and only cover blocks whose
 every token was computed by the end of this step (the scheduler guarantees it), so chunked
 prefill never stores a partial block.
+NOTE: with ``async_save`` the copy runs on one background thread, off the step's critical path
+(the first token is sampled and sent while it runs). It reads blocks that are complete and
+still owned by their request, which nothing rewrites until vLLM frees and reallocates them; a
+freed block is zeroed or overwritten only by a later step, and every later step first calls
+``handle_preemptions`` (vLLM's hook for async saves), where in-flight saves are drained. Loads
+also drain first, so a load never reads a slot that is still being written.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,11 +41,20 @@ from semkv_vllm.rope import RopeShift
 log = get_logger("semkv.vllm.worker")
 
 
+@dataclass(frozen=True)
+class _SaveResult:
+    saved: int  # blocks
+    seconds: float
+
+
 class WorkerSide:
     def __init__(self, num_slots: int, *, layerwise: bool = False,
-                 rope: RopeShift | None = None) -> None:
+                 rope: RopeShift | None = None, async_save: bool = False) -> None:
         self.num_slots = num_slots
         self.layerwise = layerwise
+        self.async_save = async_save
+        self._saver: ThreadPoolExecutor | None = None
+        self._saves_in_flight: list[Future[_SaveResult]] = []
         self.rope = rope
         self.layout: PageLayout | None = None  # set when the pages' interior is known
         self._maps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -78,6 +95,7 @@ class WorkerSide:
     def start_load_kv(self) -> None:
         if self._meta is None or not self._meta.loads:
             return
+        self.drain_saves()  # a load may read a slot an in-flight save is writing
         started = time.perf_counter()
         for op in self._meta.loads:
             if not self._valid(op):
@@ -170,23 +188,60 @@ class WorkerSide:
     def wait_for_save(self) -> None:
         if self._meta is None or not self._meta.saves:
             return
-        started = time.perf_counter()
-        for op in self._meta.saves:
-            self._save(op)
-        self.stats.observe("save_seconds", time.perf_counter() - started)
-
-    def _save(self, op: SaveOp) -> None:
-        try:
-            for name, kv in self.kv_caches.items():
-                copy_blocks(kv, op.block_ids, self.store[name], op.slots)
-        except Exception as exc:  # noqa: BLE001 - an unsaved block is a future miss
-            for slot in op.slots:
-                self.slot_generation[slot] = -1
-            log.warning("save_failed", blocks=len(op.block_ids), error_type=type(exc).__name__)
+        ops = list(self._meta.saves)
+        if not self.async_save:
+            self._record(self._save_all(ops))
             return
-        for slot, generation in zip(op.slots, op.generations, strict=False):
-            self.slot_generation[slot] = generation
-        self.stats.inc("saved_blocks", amount=len(op.slots))
+        if self._saver is None:
+            self._saver = ThreadPoolExecutor(1, thread_name_prefix="semkv-save")
+        self._saves_in_flight.append(self._saver.submit(self._save_all, ops))
+
+    def drain_saves(self) -> None:
+        """Finish every in-flight save; called before anything may rewrite or read its blocks."""
+        if not self._saves_in_flight:
+            return
+        started = time.perf_counter()
+        self.harvest_saves(wait=True)
+        self.stats.observe("save_wait_seconds", time.perf_counter() - started)
+
+    def harvest_saves(self, *, wait: bool = False) -> None:
+        """Count the saves that have finished (all of them with ``wait``)."""
+        still: list[Future[_SaveResult]] = []
+        for future in self._saves_in_flight:
+            if wait or future.done():
+                self._record(future.result())  # _save_all never raises
+            else:
+                still.append(future)
+        self._saves_in_flight = still
+
+    def _save_all(self, ops: list[SaveOp]) -> _SaveResult:
+        started = time.perf_counter()
+        saved = 0
+        for op in ops:
+            try:
+                for name, kv in self.kv_caches.items():
+                    copy_blocks(kv, op.block_ids, self.store[name], op.slots)
+            except Exception as exc:  # noqa: BLE001 - an unsaved block is a future miss
+                for slot in op.slots:
+                    self.slot_generation[slot] = -1
+                log.warning("save_failed", blocks=len(op.block_ids),
+                            error_type=type(exc).__name__)
+                continue
+            for slot, generation in zip(op.slots, op.generations, strict=False):
+                self.slot_generation[slot] = generation
+            saved += len(op.slots)
+        return _SaveResult(saved, time.perf_counter() - started)
+
+    def _record(self, result: _SaveResult) -> None:
+        self.stats.observe("save_seconds", result.seconds)
+        if result.saved:
+            self.stats.inc("saved_blocks", amount=result.saved)
+
+    def shutdown(self) -> None:
+        self.drain_saves()
+        if self._saver is not None:
+            self._saver.shutdown(wait=True)
+            self._saver = None
 
     # -- reporting -------------------------------------------------------------------------
     def take_finished_recving(self) -> set[str]:
