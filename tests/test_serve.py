@@ -3,6 +3,10 @@
 Starts the real OpenAI-compatible server on loopback with the bundled model, sends a donor, makes
 vLLM forget it (dev endpoint), sends the same prompt again, and checks the answer and that the
 ``vllm:semkv_*`` series on ``/metrics`` moved.
+
+The provider is ``trigram``, the example third-party distribution in examples/provider-trigram
+(installed by scripts/bootstrap.sh): semkv knows it only through its entry point and the
+operator selects it by name. One server serves every test here (a start costs 1-2 minutes).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -47,11 +53,20 @@ def _metric(text: str, name: str) -> float:
     return total
 
 
+class Server(NamedTuple):
+    base: str
+    log: Path
+
+
+PROVIDER = "trigram"  # examples/provider-trigram: a third-party distribution
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     port = _free_port()
     config = dict(CONNECTOR, kv_connector_extra_config={
-        "provider": "chunks", "semantic_mode": "materialize_exact", "min_reuse_tokens": 64})
+        "provider": PROVIDER, "semantic_mode": "materialize_exact", "min_reuse_tokens": 64,
+        "provider_config": {"min_shared": 0.5}})
     log = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(ensure_model()), "--served-model-name", "smollm2",
@@ -75,7 +90,7 @@ def server(tmp_path_factory):
                 time.sleep(2)
         else:
             pytest.fail("vllm serve did not become healthy")
-        yield base
+        yield Server(base, log)
     finally:
         proc.terminate()
         try:
@@ -85,6 +100,7 @@ def server(tmp_path_factory):
 
 
 def test_serve_answers_and_metrics_move(server):
+    server = server.base
     prompt = essay_prompts(1, chars=1500, seed=5)[0] + "\n\nQuestion: What is this about?\nAnswer:"
     body = {"model": "smollm2", "prompt": prompt, "max_tokens": 8, "temperature": 0}
     first = _post(server + "/v1/completions", body)["choices"][0]["text"]
@@ -102,3 +118,10 @@ def test_serve_answers_and_metrics_move(server):
     assert re.search(r'vllm:semkv_materialize_success_total\{[^}]*tier="exact"[^}]*\} [1-9]', text)
     assert _metric(text, "vllm:semkv_request_loaded_tokens_count") >= 1  # histograms move too
     assert prompt[:40] not in text  # no prompt text in metrics
+
+
+def test_the_third_party_provider_was_selected_by_name(server):
+    ready = [json.loads(line[line.index("{"):]) for line in server.log.read_text().splitlines()
+             if "semkv_connector_ready" in line and "{" in line]
+    assert ready, "the connector never logged that it was ready"
+    assert {r["provider"] for r in ready} == {PROVIDER}
