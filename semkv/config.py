@@ -17,7 +17,7 @@ import difflib
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ByteSize, Field, ValidationError
 from pydantic_settings import (
@@ -73,6 +73,12 @@ class SemkvConfig(BaseSettings):
         "Copy finished prompt blocks into the donor store on a background thread, off the "
         "step's critical path (drained before the next step touches the KV cache)."))
     layerwise_load: bool = Field(default=False, description="Copy donor KV layer by layer.")
+    donor_store: Literal["host", "lmcache"] = Field(
+        default="host",
+        description="Where donor KV lives: semkv's host memory, or a shared LMCache server.")
+    lmcache_server_url: str = Field(
+        default="tcp://127.0.0.1:5555", pattern=r"^[a-z]+://[^:/]+:\d+$",
+        description="donor_store=lmcache: the LMCache multiprocess server (scheme://host:port).")
     provider_config: dict[str, Any] = Field(default_factory=dict)
     config_file: Path | None = Field(default=None, description="Optional YAML file.")
 

@@ -15,6 +15,8 @@ NOTE: configuration problems (unknown key, bad value, provider not installed, ba
 config) raise at engine start-up, naming the problem; nothing starts half-configured.
 NOTE: the connector is a best-effort cache: ``requires_kv_delivery`` is False, and every
 failure at request time ends in normal prefill.
+NOTE: with ``donor_store: lmcache`` an embedded LMCache connector (``lmcache_store.py``) stores
+and moves the KV; every hook below is forwarded to it as well.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from semkv.lookup import GuardedProvider
 from semkv.provider import ProviderContext
 from semkv.types import Mode
 from semkv_vllm.commit_policy import ExternalKVCachePolicy
+from semkv_vllm.metadata import SemkvMetadata, SemkvWorkerMetadata
 from semkv_vllm.namespace import namespace_from_vllm_config
 from semkv_vllm.page_layout import PageLayout, backend_writer
 from semkv_vllm.rope import RopeShift
@@ -144,6 +147,12 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.config = SemkvConfig.load(extra)
         _check_semantic_setup(self.config, vllm_config)
+        self._shared: Any = None  # donor_store=lmcache: LMCache's connector, same role
+        self._shared_loads: Any = None
+        self._shared_found: dict[str, int] = {}  # request id -> tokens LMCache can load
+        if self.config.donor_store == "lmcache":
+            self._shared, self._shared_loads = _build_shared_store(
+                self.config, vllm_config, role, kv_cache_config)
         semantic = (self.config.semantic_mode is Mode.MATERIALIZE_SEMANTIC
                     and bool(self.config.semantic_tiers))
         rope = RopeShift.from_vllm_config(vllm_config) if semantic else None
@@ -166,7 +175,8 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
                 can_shift=rope is not None,
                 request_only_enforced=lambda: (
                     self.commit_policy_enforced
-                    or not vllm_config.cache_config.enable_prefix_caching))
+                    or not vllm_config.cache_config.enable_prefix_caching),
+                shared_lookup=self._shared_lookup if self._shared is not None else None)
             log.info("semkv_connector_ready", mode=str(self.config.semantic_mode),
                      provider=self.config.provider, slots=slots, bytes_per_slot=per_slot)
         else:
@@ -181,7 +191,12 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
-        if self.config.semantic_mode in (Mode.MATERIALIZE_EXACT, Mode.MATERIALIZE_SEMANTIC):
+        if self._shared is not None:
+            from semkv_vllm.lmcache_store import init_cpu_amx
+
+            init_cpu_amx()
+            self._shared.register_kv_caches(kv_caches)
+        elif self.config.semantic_mode in (Mode.MATERIALIZE_EXACT, Mode.MATERIALIZE_SEMANTIC):
             self._worker.register_kv_caches(kv_caches)
         if self._semantic:
             self._worker.layout = _probe_layout(self._vllm_config, kv_caches)
@@ -192,44 +207,83 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
             self._worker.bind(connector_metadata)
+        if self._shared is not None and isinstance(connector_metadata, SemkvMetadata):
+            self._shared.bind_connector_metadata(connector_metadata.shared)
+            self._shared_loads.bind(connector_metadata.shared)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
         if self._worker is not None:
             self._worker.clear()
+        if self._shared is not None:
+            self._shared.clear_connector_metadata()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None:
             self._worker.start_load_kv()
+        if self._shared is not None:
+            self._shared.start_load_kv(forward_context, **kwargs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:
             self._worker.wait_for_layer_load(layer_name)
+        if self._shared is not None:
+            self._shared.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        return None  # saves run after the forward in wait_for_save (whole blocks only)
+        if self._shared is not None:
+            self._shared.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        # semkv's own saves run after the forward in wait_for_save (whole blocks only)
 
     def wait_for_save(self) -> None:
         if self._worker is not None:
             self._worker.wait_for_save()
+        if self._shared is not None:
+            self._shared.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        return None, self._worker.take_finished_recving() or None
+        sending: set[str] = set()
+        recving = self._worker.take_finished_recving()
+        if self._shared is not None:
+            shared_sending, shared_recving = self._shared.get_finished(finished_req_ids)
+            sending |= shared_sending or set()
+            self._shared_loads.finished |= shared_recving or set()
+            recving |= shared_recving or set()
+        return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_invalid_blocks() if self._worker is not None else set()
+        if self._worker is None:
+            return set()
+        invalid = self._worker.take_invalid_blocks()
+        if self._shared is not None:
+            shared = set(self._shared.get_block_ids_with_load_errors())
+            self._shared_loads.errors |= shared
+            invalid |= shared
+        return invalid
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._worker.take_worker_meta() if self._worker is not None else None
+        if self._worker is None:
+            return None
+        meta = self._worker.take_worker_meta()
+        if self._shared is not None:
+            loaded, failed = self._shared_loads.take()
+            if loaded or failed:
+                meta = meta or SemkvWorkerMetadata()
+                block = self._vllm_config.cache_config.block_size
+                meta.loaded_blocks.update({rid: t // block for rid, t in loaded.items()})
+                meta.failed |= failed
+        return meta
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # NOTE: vLLM calls this first in every step, before freed blocks are zeroed or
         # rewritten: the last moment an in-flight save may still read them.
         if self._worker is not None:
             self._worker.drain_saves()
+        if self._shared is not None and isinstance(kv_connector_metadata, SemkvMetadata):
+            self._shared.handle_preemptions(kv_connector_metadata.shared)
 
     def get_kv_connector_stats(self) -> SemkvConnectorStats | None:
         side = self._scheduler or self._worker
@@ -260,10 +314,23 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is not None:
             with self._timed():
                 self._scheduler.on_new_request(request)
+        if self._shared is not None:
+            self._shared.on_new_request(request)
+
+    def _shared_lookup(self, request: Request, num_computed_tokens: int) -> int | None:
+        """Tokens the shared store can load beyond the local prefix (asked first, below)."""
+        return self._shared_found.get(request.request_id, 0)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
+        if self._shared is not None:
+            # LMCache is asked about every request, as vLLM would (it tracks each request's
+            # blocks from here on for its saves); semkv decides whether its answer is taken.
+            found = self._shared.get_num_new_matched_tokens(request, num_computed_tokens)[0]
+            if found is None:
+                return None, False  # its lookup is still running: vLLM asks again next step
+            self._shared_found[request.request_id] = int(found)
         with self._timed():
             return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -279,22 +346,35 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         with self._timed():
             self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        if self._shared is not None:  # it also tracks every request's blocks for its saves
+            self._shared.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         with self._timed():
-            return self._scheduler.build_connector_meta(scheduler_output)
+            meta = self._scheduler.build_connector_meta(scheduler_output)
+        if self._shared is not None:
+            meta.shared = self._shared.build_connector_meta(scheduler_output)
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
             with self._timed():
                 self._scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
+        if self._shared is not None:
+            self._shared.update_connector_output(connector_output)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         with self._timed():
-            return False, self._scheduler.request_finished(request)
+            summary = self._scheduler.request_finished(request)
+        if self._shared is None:
+            return False, summary
+        self._shared_found.pop(request.request_id, None)
+        # LMCache may still be saving the request's blocks: it frees them when done.
+        delay_free, _ = self._shared.request_finished(request, block_ids)
+        return delay_free, summary
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -304,6 +384,8 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
     def reset_cache(self) -> bool | None:
         if self._scheduler is not None:
             self._scheduler.reset()
+        if self._shared is not None:
+            self._shared.reset_cache()  # asks the server to drop what no one holds
         return True
 
     def shutdown(self) -> None:
@@ -311,6 +393,8 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.shutdown()
         if self._worker is not None:
             self._worker.shutdown()
+        if self._shared is not None:
+            self._shared.shutdown()
 
     # -- metrics ---------------------------------------------------------------------------
     @classmethod
@@ -321,6 +405,24 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> SemkvPromMetrics:
         return SemkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _build_shared_store(config: SemkvConfig, vllm_config: VllmConfig, role: KVConnectorRole,
+                        kv_cache_config: KVCacheConfig) -> tuple[Any, Any]:
+    """LMCache's connector in this role, on semkv's namespace (``lmcache_store.py``)."""
+    from semkv_vllm.lmcache_store import (
+        LoadTracker,
+        check_setup,
+        inner_vllm_config,
+        lmcache_connector_class,
+    )
+
+    check_setup(config, vllm_config)
+    digest = namespace_from_vllm_config(vllm_config).digest
+    inner = lmcache_connector_class()(inner_vllm_config(vllm_config, config, digest), role,
+                                      kv_cache_config)
+    log.info("lmcache_donor_store", url=config.lmcache_server_url, role=str(role))
+    return inner, LoadTracker()
 
 
 def _register_by_name() -> None:

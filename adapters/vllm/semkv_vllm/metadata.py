@@ -47,6 +47,7 @@ class SaveOp:
 class SemkvMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
+    shared: KVConnectorMetadata | None = None  # donor_store=lmcache: LMCache's own step plan
 
 
 @dataclass

