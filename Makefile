@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: env test test-fast demo bench lint clean
+.PHONY: env test test-fast demo bench lint docs clean
 
 env:
 	@bash scripts/bootstrap.sh
@@ -19,6 +19,9 @@ demo: env
 
 lint: env
 	$(VENV)/bin/ruff check semkv providers adapters tests examples
+
+docs: env  # the documentation site, into site/ (warnings fail the build)
+	$(VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV)
