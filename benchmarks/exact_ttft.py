@@ -114,6 +114,7 @@ def measure_pair(plain: Any, idle: Any, semkv: Any, prompt: str, rep: int) -> di
 
 
 def main() -> None:
+    global SETTLE
     # All engines get the same cores. Left to vLLM's "auto", the first engine of a process is
     # bound to one core (one reserved) and the second to all: an unfair comparison.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
@@ -124,7 +125,6 @@ def main() -> None:
                         help="seconds to pause after every measurement")
     parser.add_argument("--out", type=Path, default=Path("bench-results/exact_ttft.json"))
     args = parser.parse_args()
-    global SETTLE
     SETTLE = args.settle
     from transformers import AutoTokenizer
 
