@@ -1,4 +1,4 @@
-"""The ``semkv`` command line: plugins, config, model-path."""
+"""The ``semkv`` command line: plugins, config, model-path, bench."""
 
 from __future__ import annotations
 
@@ -42,6 +42,44 @@ def _cmd_model_path(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from semkv.bench import preset, run_bench
+
+    try:
+        config = preset(args.preset, arms=tuple(args.arms) if args.arms else None,
+                        clusters_per_type=args.clusters, target_tokens=args.target_tokens,
+                        max_tokens=args.max_tokens, concurrency=args.concurrency,
+                        seed=args.seed, cores=args.cores)
+    except ValueError as exc:
+        print(f"semkv bench: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"bench-results/bench-{config.preset}")
+    result = run_bench(config, out, show_progress=not args.no_progress, plots=not args.no_plots,
+                       describe=lambda arm: print(f"semkv bench: arm {arm}", file=sys.stderr))
+    print((out / "bench.md").read_text())
+    print(f"raw JSON: {out / 'bench.json'}; plots: {', '.join(result['plots']) or 'none'}")
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    bench = sub.add_parser(
+        "bench", help="speed and quality of every mode and provider on the vLLM CPU engine")
+    bench.add_argument("--preset", default="quick", help="quick (~3-5 min) or full (~15-20 min)")
+    bench.add_argument("--arms", nargs="+", help="override the preset's arms (see semkv.bench)")
+    bench.add_argument("--clusters", type=int, help="clusters per cluster type")
+    bench.add_argument("--target-tokens", type=int, help="approximate prompt length")
+    bench.add_argument("--max-tokens", type=int, help="greedy output tokens per answer")
+    bench.add_argument("--concurrency", type=int, help="requests in flight (throughput phase)")
+    bench.add_argument("--seed", type=int, help="workload seed")
+    bench.add_argument("--cores", help="VLLM_CPU_OMP_THREADS_BIND for every engine (default 0)")
+    bench.add_argument("--out", help="output folder (default bench-results/bench-<preset>)")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    bench.set_defaults(func=_cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="semkv", description="Semantic KV-cache reuse SDK.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "model-path", help="local folder of the converted bundled model (converts if missing)"
     ).set_defaults(func=_cmd_model_path)
+    _add_bench(sub)
     return parser
 
 

@@ -1,0 +1,80 @@
+"""``semkv bench``: speed and quality of every mode and provider on the real vLLM CPU engine.
+
+Protocol::
+
+    from semkv.bench import preset, run_bench
+
+    result = run_bench(preset("quick"), out_dir=Path("bench-results/bench-quick"))
+    result["arms"]["materialize_exact:chunks"]["speedup_hit_only"]
+
+One run builds a labelled workload (``semkv.eval``), runs it through one engine per arm
+(``semkv.bench.config.ARMS``: disabled, discovery_only, materialize_exact, materialize_semantic
+per provider, and a wrong-donor control), and writes ``bench.json`` (raw rows and summaries),
+``bench.md`` (tables) and PNG plots to ``out_dir``. Heavy libraries (vLLM, torch, matplotlib)
+are imported only inside the functions that run the engine or draw.
+
+NOTE: rows carry counts, times and scores only: never prompt text or token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from semkv.bench.config import ARMS, PRESETS, BenchConfig, preset
+
+__all__ = ["ARMS", "PRESETS", "BenchConfig", "preset", "run_bench"]
+
+
+def _machine() -> str:
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"{os.cpu_count()} CPUs visible, load average {load:.1f} at start "
+            f"(shared machine: other processes may compete for the same cores)")
+
+
+def run_bench(config: BenchConfig, out_dir: Path, *, show_progress: bool = True,
+              plots: bool = True, describe: Callable[[str], Any] | None = None,
+              command: str | None = None) -> dict[str, Any]:
+    """Run every arm of ``config`` and write JSON, markdown and plots into ``out_dir``."""
+    config.validate()
+    from semkv.bench.engine import configure_process
+
+    configure_process(config.cores)  # before vLLM is imported anywhere below
+    from semkv.bench.runner import load_workload, run_all
+    from semkv.bench.summary import build_rows, summarize_arm
+    from semkv.bench.targets import check_targets
+
+    started = time.time()
+    machine = _machine()
+    wl = load_workload(config)
+    results = run_all(config, wl, show_progress=show_progress, describe=describe)
+    rows = build_rows(results, wl)
+    arms = {name: summarize_arm(name, res, rows) for name, res in results.items()}
+    result: dict[str, Any] = {
+        "command": command or " ".join(["semkv", *sys.argv[1:]]),
+        "config": config.as_dict(),
+        "machine": machine,
+        "python": platform.python_version(),
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "wall_s": time.time() - started,
+        "load_average_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "workload": {"targets": len(wl.targets), "donors": len(wl.donors),
+                     "kinds": sorted(set(wl.kind.values()))},
+        "arms": arms,
+        "targets": check_targets(rows, arms),
+        "rows": rows,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from semkv.bench.report import markdown
+    from semkv.bench.report import plots as draw
+
+    result["plots"] = [str(p) for p in draw(result, out_dir)] if plots else []
+    (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
+    (out_dir / "bench.md").write_text(markdown(result))
+    return result

@@ -1,0 +1,134 @@
+"""What a ``semkv bench`` run measures: the arms (one engine each) and the workload shape.
+
+An *arm* is one engine configuration: a connector mode and a provider (``disabled`` is the
+baseline every speedup is taken against). ``wrong_donor`` is a control arm, not a mode: it
+forces an unrelated donor through the engine (see ``ARMS``) so the quality metrics can be
+seen to detect damage. Presets fix everything that shapes the numbers (prompt lengths,
+output length, concurrency, cluster kinds), so two runs of one preset are comparable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from semkv.eval.model import ClusterKind
+
+_SEMANTIC_TIERS = ["verified", "semantic"]
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One engine: ``extra`` is its ``kv_connector_extra_config``."""
+
+    name: str
+    mode: str
+    provider: str | None
+    extra: dict[str, Any]
+    negatives_only: bool = False  # the wrong-donor control runs only the negative controls
+    commit_policy: bool = False  # materialize_semantic needs CommitPolicyScheduler
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _arm(name: str, mode: str, provider: str | None, **extra: Any) -> Arm:
+    config: dict[str, Any] = {"semantic_mode": mode, "donor_store_bytes": "1GiB", **extra}
+    if provider is not None:
+        config["provider"] = provider
+    semantic = mode == "materialize_semantic"
+    return Arm(name=name, mode=mode, provider=provider, extra=config, commit_policy=semantic,
+               negatives_only=name == "wrong_donor")
+
+
+# Every arm a preset may name. The semantic arms turn both non-exact tiers on with the DEFAULT
+# gates (min_similarity 0.9, 256/512 tokens): the configuration that would ship if it passed.
+ARMS: dict[str, Arm] = {
+    a.name: a for a in (
+        _arm("disabled", "disabled", None),
+        _arm("discovery_only:chunks", "discovery_only", "chunks"),
+        _arm("discovery_only:minhash", "discovery_only", "minhash"),
+        _arm("materialize_exact:chunks", "materialize_exact", "chunks"),
+        _arm("materialize_semantic:minhash", "materialize_semantic", "minhash",
+             semantic_tiers=_SEMANTIC_TIERS),
+        # SemBlend's own discovery (peer provider); MiniLM lookups take tens of ms on CPU.
+        _arm("materialize_semantic:semblend", "materialize_semantic", "semblend",
+             semantic_tiers=_SEMANTIC_TIERS, lookup_timeout_ms=5000.0,
+             provider_config={"embedder": "minilm"}),
+        _arm("materialize_semantic:semblend-jaccard", "materialize_semantic", "semblend",
+             semantic_tiers=_SEMANTIC_TIERS, provider_config={"embedder": "jaccard"}),
+        # Control: MinHash with an LSH threshold so low that any shared shingle (the chat
+        # template, the system prompt) makes a candidate, and admission gates at zero, so the
+        # nearest UNRELATED donor's KV is loaded into a negative control's blocks.
+        _arm("wrong_donor", "materialize_semantic", "minhash",
+             semantic_tiers=_SEMANTIC_TIERS, min_similarity=0.0, min_reuse_tokens=32,
+             verified_min_reuse_tokens=32, semantic_min_reuse_tokens=32,
+             provider_config={"threshold": 0.01}),
+    )
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    preset: str
+    arms: tuple[str, ...]
+    kinds: tuple[str, ...]
+    clusters_per_type: int
+    target_tokens: int  # approximate prompt length of every prompt
+    max_tokens: int  # greedy output tokens per answer (ignore_eos: fixed output length)
+    concurrency: int  # requests in flight in the throughput phase (1: the sequential phase)
+    seed: int = 0
+    block_size: int = 32
+    kv_cache_bytes: int = 768 << 20
+    cores: str = "0"  # VLLM_CPU_OMP_THREADS_BIND for every engine
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def max_model_len(self) -> int:
+        # prompts are approximate (x1.25) and the log-likelihood run appends the answer
+        return int(self.target_tokens * 1.25) + self.max_tokens + 256
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def validate(self) -> None:
+        unknown = [a for a in self.arms if a not in ARMS]
+        if unknown:
+            raise ValueError(f"unknown bench arm(s) {unknown}; known: {sorted(ARMS)}")
+        if "disabled" not in self.arms:
+            raise ValueError("every bench run needs the 'disabled' arm: speedups and cold "
+                             "references are taken against it")
+        bad = [k for k in self.kinds if k not in {c.value for c in ClusterKind}]
+        if bad:
+            raise ValueError(f"unknown cluster kind(s) {bad}")
+        if self.concurrency < 1 or self.max_tokens < 1 or self.clusters_per_type < 1:
+            raise ValueError("concurrency, max_tokens and clusters_per_type must be >= 1")
+
+
+_QUICK_KINDS = ("exact_control", "partial_overlap", "cross_instruction", "negative_unrelated",
+                "negative_same_topic")
+PRESETS: dict[str, BenchConfig] = {
+    # ~3-5 minutes on 2 cores: 5 targets, ~600-token prompts, 16 output tokens.
+    "quick": BenchConfig(
+        preset="quick",
+        arms=("disabled", "discovery_only:chunks", "materialize_exact:chunks",
+              "materialize_semantic:minhash", "wrong_donor"),
+        kinds=_QUICK_KINDS, clusters_per_type=1, target_tokens=640, max_tokens=16,
+        concurrency=1),
+    # ~15-20 minutes on 2 cores: every cluster kind, 1K-token prompts, both peer providers.
+    "full": BenchConfig(
+        preset="full",
+        arms=("disabled", "discovery_only:chunks", "discovery_only:minhash",
+              "materialize_exact:chunks", "materialize_semantic:minhash",
+              "materialize_semantic:semblend", "wrong_donor"),
+        kinds=tuple(c.value for c in ClusterKind), clusters_per_type=3, target_tokens=1024,
+        max_tokens=32, concurrency=4),
+}
+
+
+def preset(name: str, **overrides: Any) -> BenchConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown bench preset {name!r}; known: {sorted(PRESETS)}")
+    config = replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
+    config.validate()
+    return config

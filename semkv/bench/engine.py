@@ -1,0 +1,175 @@
+"""The vLLM side of ``semkv bench``: one in-process engine per arm, one request at a time.
+
+Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): vLLM is imported once, so an
+engine starts in ~15-25 s instead of ~60-120 s, which is what makes a multi-arm run fit in
+minutes on two cores. Arms run one after another, never two engines at once, all bound to the
+same cores (``VLLM_CPU_OMP_THREADS_BIND``).
+
+Per request the engine-confirmed facts come from the connector itself: the per-request summary
+(``kv_transfer_params["semkv"]``) and deltas of the ``vllm:semkv_*`` series around the request
+(loaded tokens are counted by the worker: a hit is never inferred from latency).
+
+NOTE: token ids and text never leave this module in a result; only counts, times and scores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from semkv.bench.config import Arm, BenchConfig
+
+CONNECTOR = {"kv_connector": "SemanticKVConnector",
+             "kv_connector_module_path": "semkv_vllm.connector",
+             "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+# Histogram sums: semkv's own time (scheduler lookups + admission; worker saves and loads).
+_SECONDS = ("vllm:semkv_lookup_seconds", "vllm:semkv_save_seconds", "vllm:semkv_load_seconds")
+
+
+def configure_process(cores: str) -> None:
+    """Before vLLM is imported: in-process engines, pinned cores, quiet logs."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("SEMKV_LOG_LEVEL", "WARNING")
+
+
+@dataclass
+class Snapshot:
+    """``vllm:semkv_*`` counters (by name and label) and histogram sums/counts at one moment."""
+
+    values: dict[str, float] = field(default_factory=dict)
+
+    def __sub__(self, other: Snapshot) -> Snapshot:
+        keys = set(self.values) | set(other.values)
+        return Snapshot({k: self.values.get(k, 0.0) - other.values.get(k, 0.0) for k in keys})
+
+    def get(self, name: str) -> float:
+        return self.values.get(name, 0.0)
+
+    def semkv_seconds(self) -> float:
+        return sum(self.get(f"{n}:sum") for n in _SECONDS)
+
+
+def snapshot(llm: Any) -> Snapshot:
+    values: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if not metric.name.startswith("vllm:semkv_"):
+            continue
+        label = next((v for k, v in metric.labels.items() if k not in ("model_name", "engine")),
+                     None)
+        name = metric.name if label is None else f"{metric.name}:{label}"
+        if hasattr(metric, "sum"):  # histogram
+            values[f"{name}:sum"] = values.get(f"{name}:sum", 0.0) + float(metric.sum)
+            values[f"{name}:count"] = values.get(f"{name}:count", 0.0) + float(metric.count)
+        elif hasattr(metric, "value"):
+            values[name] = values.get(name, 0.0) + float(metric.value)
+    return Snapshot(values)
+
+
+@contextlib.contextmanager
+def open_engine(arm: Arm, config: BenchConfig, *, max_num_seqs: int) -> Iterator[Any]:
+    from vllm import LLM
+
+    from semkv.bundled_model import ensure_model
+
+    kwargs: dict[str, Any] = dict(
+        model=str(ensure_model()), dtype="float32", kv_cache_memory_bytes=config.kv_cache_bytes,
+        max_model_len=config.max_model_len, block_size=config.block_size,
+        enable_prefix_caching=True, enforce_eager=True, disable_log_stats=False, seed=0,
+        max_num_seqs=max_num_seqs,
+        kv_transfer_config=dict(CONNECTOR, kv_connector_extra_config=arm.extra))
+    if arm.commit_policy:
+        kwargs["scheduler_cls"] = "semkv_vllm.commit_policy.CommitPolicyScheduler"
+    llm = LLM(**kwargs)
+    try:
+        yield llm
+    finally:
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+@dataclass
+class Run:
+    """One request: times, output length, the connector's summary and metric deltas."""
+
+    ttft_s: float
+    e2e_s: float
+    output: list[int]  # kept in memory for scoring only, never written out
+    summary: dict[str, Any]
+    delta: Snapshot
+    prompt_tokens: int
+
+
+def generate(llm: Any, token_ids: Sequence[int], max_tokens: int) -> Run:
+    """One greedy request alone (fixed output length): TTFT from vLLM's own request stats."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            detokenize=False)
+    before = snapshot(llm)
+    start = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params,
+                       use_tqdm=False)[0]
+    e2e = time.perf_counter() - start
+    ttft = getattr(out.metrics, "first_token_latency", None) or e2e
+    return Run(ttft_s=float(ttft), e2e_s=e2e, output=list(out.outputs[0].token_ids),
+               summary=dict((out.kv_transfer_params or {}).get("semkv", {})),
+               delta=snapshot(llm) - before, prompt_tokens=len(out.prompt_token_ids))
+
+
+def generate_batch(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
+                   ) -> tuple[float, list[Run]]:
+    """All prompts submitted at once (the engine's ``max_num_seqs`` caps concurrency)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            detokenize=False)
+    start = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                        use_tqdm=False)
+    wall = time.perf_counter() - start
+    runs = []
+    for out in outs:
+        m = out.metrics
+        ttft = float(getattr(m, "first_token_latency", 0.0) or 0.0)
+        # queued -> last token, on the engine's monotonic clock
+        e2e = float(m.last_token_ts - m.queued_ts) if m is not None else wall
+        runs.append(Run(ttft_s=ttft, e2e_s=e2e, output=list(out.outputs[0].token_ids),
+                        summary=dict((out.kv_transfer_params or {}).get("semkv", {})),
+                        delta=Snapshot(), prompt_tokens=len(out.prompt_token_ids)))
+    return wall, runs
+
+
+def answer_logprob(llm: Any, prompt: Sequence[int], answer: Sequence[int],
+                   ) -> tuple[float | None, int, dict[str, Any]]:
+    """Mean log-probability per token of ``answer`` after ``prompt`` on this engine.
+
+    vLLM skips its prefix cache AND the connector for prompt-logprob requests unless
+    ``skip_reading_prefix_cache=False``: with it, the reused prefix is loaded as for any other
+    request and the positions computed in this forward carry their log-probabilities. A donor
+    span that reaches into the answer (a long wrong donor) leaves those positions unscored:
+    the count of scored answer tokens is returned with the mean (None when none was scored).
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0,
+                            skip_reading_prefix_cache=False, detokenize=False)
+    ids = [*prompt, *answer]
+    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+    tail = (out.prompt_logprobs or [])[len(prompt):]
+    values = [lp[tok].logprob for tok, lp in zip(answer, tail, strict=False)
+              if lp is not None and tok in lp]
+    summary = dict((out.kv_transfer_params or {}).get("semkv", {}))
+    return (sum(values) / len(values) if values else None), len(values), summary

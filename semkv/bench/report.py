@@ -1,0 +1,159 @@
+"""Markdown tables and PNG plots of a ``semkv bench`` result (the JSON written next to them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _f(value: Any, fmt: str = ".3f", suffix: str = "") -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return f"{value:{fmt}}{suffix}"
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.0f}%"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    arms, cfg = result["arms"], result["config"]
+    lines = [
+        f"Preset `{cfg['preset']}`: {result['workload']['targets']} targets, "
+        f"{result['workload']['donors']} donors, ~{cfg['target_tokens']} prompt tokens, "
+        f"{cfg['max_tokens']} greedy output tokens, concurrency {cfg['concurrency']}, "
+        f"cores `{cfg['cores']}`; {result['machine']}.",
+        "",
+        "### Speed (reuse phase, one request at a time; speedups paired per prompt vs disabled)",
+        "",
+        "| arm | TTFT p50 | p95 | p99 | e2e p50 | tok/s | speedup | hit-only | vs own miss "
+        "| hit-only | miss/cold | semkv share of miss | lookup p50 ms | semkv ms/req | store MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in arms.items():
+        miss = s.get("miss", {})
+        lines.append(
+            f"| {name} | {_f(s['ttft_s']['p50'])} | {_f(s['ttft_s']['p95'])} | "
+            f"{_f(s['ttft_s']['p99'])} | {_f(s['e2e_s']['p50'])} | "
+            f"{_f(s['throughput_tok_s'], '.1f')} | {_f(s['speedup_overall'], '.2f', 'x')} | "
+            f"{_f(s['speedup_hit_only'], '.2f', 'x')} | "
+            f"{_f(s['speedup_vs_own_miss'], '.2f', 'x')} | "
+            f"{_f(s['speedup_vs_own_miss_hit_only'], '.2f', 'x')} | "
+            f"{_f(miss.get('over_cold_median'))} | "
+            f"{_f(miss.get('semkv_share_median'), '.4f')} | {_f(s['lookup_ms']['p50'], '.2f')} | "
+            f"{_f(s['semkv_ms_per_request'], '.2f')} | "
+            f"{_f(s['donor_store_bytes'] / 2**20, '.1f')} |")
+    base = arms["disabled"].get("vllm_prefix_hit")
+    if base:
+        lines += ["", f"Anchor, vLLM's own prefix cache (same prompt again on the disabled "
+                      f"engine): TTFT p50 {_f(base['ttft_s']['p50'])} s, speedup "
+                      f"{_f(base['speedup'], '.2f', 'x')}, output = cold on "
+                      f"{_pct(base['same_as_cold_rate'])}."]
+    conc = [(n, s["concurrent"]) for n, s in arms.items() if "concurrent" in s]
+    if conc:
+        lines += ["", f"### Throughput at concurrency {cfg['concurrency']}", "",
+                  "| arm | requests | wall s | tok/s | req/s | TTFT p50 | p95 | p99 |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for n, c in conc:
+            lines.append(f"| {n} | {c['requests']} | {_f(c['wall_s'], '.1f')} | "
+                         f"{_f(c['throughput_tok_s'], '.1f')} | {_f(c['requests_per_s'], '.2f')}"
+                         f" | {_f(c['ttft_s']['p50'])} | {_f(c['ttft_s']['p95'])} | "
+                         f"{_f(c['ttft_s']['p99'])} |")
+    lines += ["", "### Reuse (engine-confirmed) and fallbacks", "",
+              "| arm | hits | hit rate (positives) | reported ext. tokens | loaded tokens | "
+              "would reuse | tiers | fallback reasons | FP rate (negatives, non-exact) |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for name, s in arms.items():
+        tiers = ", ".join(f"{k}: {v}" for k, v in s["tiers"].items()) or "–"
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(s["fallback_reasons"].items()))
+        lines.append(f"| {name} | {s['hits']}/{s['targets']} | {_pct(s['hit_rate_positives'])} "
+                     f"| {s['external_tokens']} | {s['loaded_tokens']} | "
+                     f"{s['would_reuse_tokens']} | {tiers} | {reasons} | "
+                     f"{_pct(s['false_positive_rate'])} |")
+    lines += ["", "### Quality against the cold run of the same prompt, per cluster type", "",
+              "| arm | cluster type | targets | hits | exact match | ROUGE-L med | token F1 med "
+              "| first div. med | logprob Δ med | response cache ROUGE-L |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, s in arms.items():
+        for kind, q in s["quality_by_kind"].items():
+            lines.append(
+                f"| {name} | {kind} | {q['targets']} | {q['hits']} | "
+                f"{_pct(q['exact_match_rate'])} | {_f(q['rouge_l_median'], '.2f')} | "
+                f"{_f(q['token_f1_median'], '.2f')} | {_f(q['first_divergence_median'], '.0f')} "
+                f"| {_f(q['logprob_delta_median'], '.4f')} | "
+                f"{_f(q['response_cache_rouge_l_median'], '.2f')} |")
+    lines += ["", "### Targets", ""] + _targets_md(result["targets"])
+    return "\n".join(lines) + "\n"
+
+
+def _targets_md(t: dict[str, Any]) -> list[str]:
+    ex = t["exact_tier"]
+    out = [f"- Exact tier identical to vLLM's own prefix hit: {ex['identical_to_vllm_hit']}/"
+           f"{ex['exact_hits']} exact hits; agreement with cold {_pct(ex['agreement_with_cold'])}"
+           f" vs vLLM's own {_pct(ex['vllm_hit_agreement_with_cold'])}: "
+           f"**{'met' if ex['met'] else 'NOT met'}**."]
+    for name, m in t["miss_cost"].items():
+        out.append(f"- Miss cost, {name}: paired TTFT ratio {_f(m['paired_ttft_ratio'])} "
+                   f"({'under' if m['met_ratio'] else 'NOT under'} 1.02), semkv's own share "
+                   f"{_f(m['semkv_share'], '.4f')} "
+                   f"({'under' if m['met_semkv_share'] else 'NOT under'} 2%).")
+    for name, s in t["semantic_tier"].items():
+        verdict = "may ship ON" if s["default_on"] else "ships OFF: " + "; ".join(s["reasons_off"])
+        out.append(f"- Semantic tier, {name}: {s['served_non_exact']} non-exact hits, ROUGE-L "
+                   f"median {_f(s['rouge_l_median'], '.2f')} vs response cache "
+                   f"{_f(s['response_cache_rouge_l_median'], '.2f')}, FP rate "
+                   f"{_pct(s['false_positive_rate'])}: {verdict}.")
+    w = t["wrong_donor"]
+    if w["targets"]:
+        out.append(f"- Wrong-donor control: {w['forced_through']}/{w['targets']} negatives "
+                   f"forced through; exact match {_pct(w['exact_match_rate'])}, ROUGE-L median "
+                   f"{_f(w['rouge_l_median'], '.2f')}, logprob Δ median "
+                   f"{_f(w['logprob_delta_median'], '.3f')} (same span as the target run: "
+                   f"{_f(w['logprob_delta_median_same_span'], '.3f')}): damage "
+                   f"{'detected' if w['damage_detected'] else 'NOT detected'}.")
+    return out
+
+
+def plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """TTFT by prompt length and arm; quality vs reuse per cluster type."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    arms = list(result["arms"])
+    paths = []
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in arms:
+        rs = [r for r in rows if r["arm"] == name]
+        ax.scatter([r["prompt_tokens"] for r in rs], [r["ttft_s"] for r in rs], label=name, s=18)
+    base = [r for r in rows if r["arm"] == "disabled"]
+    ax.scatter([r["prompt_tokens"] for r in base], [r["vllm_hit_ttft_s"] for r in base],
+               label="vLLM prefix hit (anchor)", marker="x", s=30, color="black")
+    ax.set(xlabel="prompt tokens", ylabel="TTFT (s)", yscale="log",
+           title="TTFT by prompt length and arm")
+    ax.legend(fontsize=7)
+    paths.append(out_dir / "ttft_by_length.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    kinds = sorted({r["kind"] for r in rows})
+    fig, ax = plt.subplots(figsize=(8, 5))
+    markers = "os^vDP*Xh"
+    for i, kind in enumerate(kinds):
+        rs = [r for r in rows if r["kind"] == kind and r["arm"] != "disabled"]
+        ax.scatter([r["loaded_tokens"] / max(r["prompt_tokens"], 1) for r in rs],
+                   [r["rouge_l"] for r in rs], label=kind, marker=markers[i % len(markers)], s=24)
+    ax.set(xlabel="reused fraction of the prompt (engine-confirmed loaded tokens)",
+           ylabel="ROUGE-L vs cold output", ylim=(-0.05, 1.05),
+           title="Quality vs reuse per cluster type (all non-baseline arms)")
+    ax.legend(fontsize=7)
+    paths.append(out_dir / "quality_vs_reuse.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
