@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.engine
+
 ARMS = ["disabled", "materialize_exact:chunks", "wrong_donor"]
 
 
