@@ -108,20 +108,20 @@ class BenchConfig:
 _QUICK_KINDS = ("exact_control", "partial_overlap", "cross_instruction", "negative_unrelated",
                 "negative_same_topic")
 PRESETS: dict[str, BenchConfig] = {
-    # ~3-5 minutes on 2 cores: 5 targets, ~600-token prompts, 16 output tokens.
+    # 5 targets (one cluster of five kinds), ~640-token prompts, 16 output tokens, five arms.
     "quick": BenchConfig(
         preset="quick",
         arms=("disabled", "discovery_only:chunks", "materialize_exact:chunks",
               "materialize_semantic:minhash", "wrong_donor"),
         kinds=_QUICK_KINDS, clusters_per_type=1, target_tokens=640, max_tokens=16,
         concurrency=1),
-    # ~15-20 minutes on 2 cores: every cluster kind, 1K-token prompts, both peer providers.
+    # Every cluster kind, both peer providers, a throughput phase at concurrency 4. Estimated
+    # ~20-25 minutes on an idle 2-core machine (a 768-token prefill takes ~4 s on one core).
     "full": BenchConfig(
         preset="full",
-        arms=("disabled", "discovery_only:chunks", "discovery_only:minhash",
-              "materialize_exact:chunks", "materialize_semantic:minhash",
-              "materialize_semantic:semblend", "wrong_donor"),
-        kinds=tuple(c.value for c in ClusterKind), clusters_per_type=3, target_tokens=1024,
+        arms=("disabled", "discovery_only:chunks", "materialize_exact:chunks",
+              "materialize_semantic:minhash", "materialize_semantic:semblend", "wrong_donor"),
+        kinds=tuple(c.value for c in ClusterKind), clusters_per_type=2, target_tokens=768,
         max_tokens=32, concurrency=4),
 }
 
