@@ -47,7 +47,7 @@ def run() -> tuple[dict, Workload]:
         base.miss[t] = _run(2.0, out, reason="provider_disabled")
         base.reuse[t] = _run(2.0, out, reason="provider_disabled")
         base.vllm_hit[t] = _run(0.1, out)
-        base.logprob[t], base.logprob_scored[t], base.logprob_summary[t] = -1.0, 4, {}
+        base.logprob[t], base.logprob_summary[t] = {i: -1.0 for i in range(4)}, {}
     base.donors = {"d1": _run(1, [1, 2, 3, 4]), "d2": _run(1, [5, 6, 0, 0]),
                    "d3": _run(1, [0, 0, 0, 0])}
     sem = ArmResult(arm=ARMS["materialize_semantic:minhash"])
@@ -59,7 +59,9 @@ def run() -> tuple[dict, Workload]:
                  "neg2": _run(1.5, [4, 3, 2, 1], loaded=32, tier="exact")}
     for t in cold_out:
         sem.miss[t] = _run(2.04, cold_out[t], reason="provider_miss")
-        sem.logprob[t], sem.logprob_scored[t] = (-1.0 if t != "sem" else -1.3), 4
+        # "sem": positions 0-1 served from reused KV in the log-likelihood run (not scored)
+        sem.logprob[t] = ({i: -1.0 for i in range(4)} if t != "sem"
+                          else {2: -1.2, 3: -1.4})
         sem.logprob_summary[t] = {"external_tokens": sem.reuse[t].summary["external_tokens"]}
     results = {"disabled": base, "materialize_semantic:minhash": sem}
     return results, wl
@@ -82,7 +84,8 @@ def test_hits_come_from_loaded_tokens_and_fp_only_from_non_exact_tiers(run) -> N
     q = s["quality_by_kind"]["cross_instruction"]
     assert q["rouge_l_median"] == pytest.approx(0.75) and q["exact_match_rate"] == 0.0
     assert q["first_divergence_median"] == 3
-    assert q["logprob_delta_median"] == pytest.approx(-0.3)
+    assert q["logprob_delta_median"] == pytest.approx(-0.3)  # on positions 2-3 only
+    assert by[("materialize_semantic:minhash", "sem")]["logprob_scored_tokens"] == 2
     assert q["response_cache_rouge_l_median"] == pytest.approx(0.5)
 
 

@@ -151,15 +151,15 @@ def generate_batch(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
     return wall, runs
 
 
-def answer_logprob(llm: Any, prompt: Sequence[int], answer: Sequence[int],
-                   ) -> tuple[float | None, int, dict[str, Any]]:
-    """Mean log-probability per token of ``answer`` after ``prompt`` on this engine.
+def answer_logprobs(llm: Any, prompt: Sequence[int], answer: Sequence[int],
+                    ) -> tuple[dict[int, float], dict[str, Any]]:
+    """Log-probability of each ``answer`` token after ``prompt`` on this engine, by position.
 
     vLLM skips its prefix cache AND the connector for prompt-logprob requests unless
     ``skip_reading_prefix_cache=False``: with it, the reused prefix is loaded as for any other
-    request and the positions computed in this forward carry their log-probabilities. A donor
-    span that reaches into the answer (a long wrong donor) leaves those positions unscored:
-    the count of scored answer tokens is returned with the mean (None when none was scored).
+    request and the positions computed in this forward carry their log-probabilities. Positions
+    served from reused KV (a stored copy of this very answer, a long wrong donor) have none and
+    are left out: callers compare runs on the positions both scored.
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -169,7 +169,6 @@ def answer_logprob(llm: Any, prompt: Sequence[int], answer: Sequence[int],
     ids = [*prompt, *answer]
     out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
     tail = (out.prompt_logprobs or [])[len(prompt):]
-    values = [lp[tok].logprob for tok, lp in zip(answer, tail, strict=False)
-              if lp is not None and tok in lp]
-    summary = dict((out.kv_transfer_params or {}).get("semkv", {}))
-    return (sum(values) / len(values) if values else None), len(values), summary
+    scored = {i: lp[tok].logprob for i, (tok, lp) in enumerate(zip(answer, tail, strict=False))
+              if lp is not None and tok in lp}
+    return scored, dict((out.kv_transfer_params or {}).get("semkv", {}))

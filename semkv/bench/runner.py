@@ -25,7 +25,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from semkv.bench.config import ARMS, Arm, BenchConfig
-from semkv.bench.engine import Run, answer_logprob, generate, generate_batch, open_engine, snapshot
+from semkv.bench.engine import (
+    Run,
+    answer_logprobs,
+    generate,
+    generate_batch,
+    open_engine,
+    snapshot,
+)
 
 Progress = Callable[[str, int], Any]
 
@@ -39,8 +46,7 @@ class ArmResult:
     donors: dict[str, Run] = field(default_factory=dict)
     reuse: dict[str, Run] = field(default_factory=dict)
     vllm_hit: dict[str, Run] = field(default_factory=dict)  # disabled only
-    logprob: dict[str, float | None] = field(default_factory=dict)
-    logprob_scored: dict[str, int] = field(default_factory=dict)
+    logprob: dict[str, dict[int, float]] = field(default_factory=dict)  # answer position -> lp
     logprob_summary: dict[str, dict[str, Any]] = field(default_factory=dict)
     donor_store_bytes: float = 0.0
     batch_wall_s: float = 0.0
@@ -126,8 +132,7 @@ def run_arm(arm: Arm, config: BenchConfig, wl: Workload, cold: ArmResult | None,
                 result.vllm_hit[t] = generate(llm, wl.ids[t], config.max_tokens)
             answer = (result.miss if is_baseline else cold.miss)[t].output  # type: ignore[union-attr]
             llm.reset_prefix_cache()
-            result.logprob[t], result.logprob_scored[t], result.logprob_summary[t] = (
-                answer_logprob(llm, wl.ids[t], answer))
+            result.logprob[t], result.logprob_summary[t] = answer_logprobs(llm, wl.ids[t], answer)
             if tick:
                 tick("reuse", 1)
         if config.concurrency > 1 and not arm.negatives_only:

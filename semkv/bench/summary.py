@@ -34,8 +34,17 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _delta(reuse: float | None, cold: float | None) -> float | None:
-    return reuse - cold if reuse is not None and cold is not None else None
+def _mean_logprob(scored: dict[int, float], positions: set[int]) -> float | None:
+    return sum(scored[i] for i in positions) / len(positions) if positions else None
+
+
+def _logprobs(reuse: dict[int, float], cold: dict[int, float]) -> dict[str, Any]:
+    """Mean log-probability per answer token, both runs on the positions both scored."""
+    common = set(reuse) & set(cold)
+    mine, ref = _mean_logprob(reuse, common), _mean_logprob(cold, common)
+    return {"logprob_reuse": mine, "logprob_cold": ref,
+            "logprob_delta": mine - ref if mine is not None and ref is not None else None,
+            "logprob_scored_tokens": len(common)}
 
 
 def _values(rows: list[dict[str, Any]], key: str) -> list[float]:
@@ -77,9 +86,7 @@ def build_rows(results: dict[str, ArmResult], wl: Workload) -> list[dict[str, An
                 "semkv_s": run.delta.semkv_seconds(),
                 **_quality(run.output, reference),
                 "same_as_vllm_hit": run.output == cold.vllm_hit[t].output,
-                "logprob_reuse": res.logprob[t], "logprob_cold": cold.logprob[t],
-                "logprob_delta": _delta(res.logprob[t], cold.logprob[t]),
-                "logprob_scored_tokens": res.logprob_scored[t],
+                **_logprobs(res.logprob[t], cold.logprob[t]),
                 "logprob_run_external_tokens": int(
                     res.logprob_summary[t].get("external_tokens") or 0),
                 # the log-likelihood run reused the same span as the target run (a donor longer
