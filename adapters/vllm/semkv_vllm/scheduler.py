@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.v1.request import RequestStatus
+
 from semkv.admission import Admission, Assessment, DonorView, as_tokens
 from semkv.config import SemkvConfig
 from semkv.gates import full_prompt_cap
@@ -160,6 +162,11 @@ class SchedulerSide:
         if self.provider is None:
             return 0, False
         st = self._state(request)
+        if st.load_failed:
+            # vLLM asks again after a failed asynchronous load (kv_load_failure_policy
+            # recompute); answering the old hit again would leave the request waiting for a
+            # load that is never planned (st.planned is already set). Never retry: prefill.
+            return 0, False
         key = (local, request.num_preemptions)
         if st.decided_for == key and st.decision is not None:
             return st.answer
@@ -468,6 +475,10 @@ class SchedulerSide:
         st = self.requests.pop(request.request_id, None)
         if st is None:
             return None
+        if st.planned and request.status == RequestStatus.FINISHED_ERROR:
+            # kv_load_failure_policy "fail": vLLM ends the request for the invalid blocks of
+            # its load before it hands us the worker's report of that failure.
+            st.load_failed = True
         summary = self._account(st)
         log.info("provenance", request_id=request.request_id, **summary)  # counts only, no text
         self._release(st)
