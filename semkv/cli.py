@@ -49,6 +49,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     try:
         config = preset(args.preset, arms=tuple(args.arms) if args.arms else None,
+                        kinds=tuple(args.kinds) if args.kinds else None,
                         clusters_per_type=args.clusters, target_tokens=args.target_tokens,
                         max_tokens=args.max_tokens, concurrency=args.concurrency,
                         seed=args.seed, cores=args.cores)
@@ -68,6 +69,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "bench", help="speed and quality of every mode and provider on the vLLM CPU engine")
     bench.add_argument("--preset", default="quick", help="quick (~3-5 min) or full (~15-20 min)")
     bench.add_argument("--arms", nargs="+", help="override the preset's arms (see semkv.bench)")
+    bench.add_argument("--kinds", nargs="+", help="override the preset's cluster kinds")
     bench.add_argument("--clusters", type=int, help="clusters per cluster type")
     bench.add_argument("--target-tokens", type=int, help="approximate prompt length")
     bench.add_argument("--max-tokens", type=int, help="greedy output tokens per answer")
