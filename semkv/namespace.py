@@ -57,11 +57,18 @@ class Namespace(BaseModel):
         return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
     def for_request(self, *, lora_identity: str | None, cache_salt: str | None) -> Namespace:
-        """The namespace of one request: the engine's, plus its adapter and tenant."""
+        """The namespace of one request: the engine's, plus its adapter and tenant.
+
+        NOTE: present values are wrapped (``{"salt": ...}``) so that no tenant's salt or
+        adapter name can equal ``ABSENT``: a request salted ``"none"`` once shared the
+        namespace of unsalted requests.
+        """
         return self.model_copy(
             update={
-                "lora_identity": lora_identity if lora_identity is not None else ABSENT,
-                "cache_salt": cache_salt if cache_salt is not None else ABSENT,
+                "lora_identity": (canonical({"lora": lora_identity})
+                                  if lora_identity is not None else ABSENT),
+                "cache_salt": (canonical({"salt": cache_salt})
+                               if cache_salt is not None else ABSENT),
             }
         )
 
