@@ -399,6 +399,8 @@ def main() -> int:
     parser.add_argument("--rss-bound-mib", type=float, default=128.0,
                         help="most RSS growth allowed over the second half of the soak")
     parser.add_argument("--prefix-caching", action="store_true")
+    parser.add_argument("--semantic-mode", default="materialize_exact",
+                        help="disabled: the same run with semkv idle, to attribute memory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench-results/soak.json"))
     args = parser.parse_args()
@@ -421,7 +423,7 @@ def main() -> int:
         cold_server.stop()
     cold = {r["prompt"]: r.get("text") for r in cold_runs}
 
-    extra = {"provider": "faulty", "semantic_mode": "materialize_exact",
+    extra = {"provider": "faulty", "semantic_mode": args.semantic_mode,
              "min_reuse_tokens": 64, "lookup_timeout_ms": 50,
              "donor_store_bytes": args.donor_store_bytes,
              "provider_config": {"inner": "chunks", "faults": FAULTS, "rate": args.fault_rate,
