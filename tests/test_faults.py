@@ -287,6 +287,8 @@ def test_invalid_blocks_under_each_load_failure_policy(policy, async_load):
     got = counters(h)
     assert got.get("materialize_failed", 0) == 1 and got.get("invalid_blocks", 0) == 9
     assert got.get("fallbacks:load_failed", 0) == 1
+    # recomputed only where vLLM recomputes; under fail the request ends instead
+    assert got.get("materialize_recompute:load_failed", 0) == (policy == "recompute")
     if policy == "recompute":
         assert own and reasons["target"] == FinishReason.LENGTH
         assert h.outputs["target"]["semkv"]["fallback_reason"] == "load_failed"

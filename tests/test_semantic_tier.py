@@ -179,7 +179,7 @@ def test_exact_tier_still_wins_under_materialize_semantic(h):
 def test_engine_limits_name_what_is_unsupported():
     import copy
 
-    from semkv_vllm.connector import engine_limit
+    from semkv_vllm.engine_setup import engine_limit
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     config = make_vllm_config({})

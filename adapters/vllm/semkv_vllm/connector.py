@@ -9,7 +9,7 @@ Operators select it with::
 
 One instance runs in the scheduler process (role SCHEDULER: discovery, admission, plans) and
 one in every worker (role WORKER: block copies). See ``scheduler.py`` and ``worker.py`` for the
-per-step protocol of each side.
+per-step protocol of each side, ``engine_setup.py`` for what is checked at start-up.
 
 NOTE: configuration problems (unknown key, bad value, provider not installed, bad provider
 config) raise at engine start-up, naming the problem; nothing starts half-configured.
@@ -35,17 +35,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from semkv.config import ConfigError, SemkvConfig
+from semkv.config import SemkvConfig
 from semkv.log import get_logger
-from semkv.lookup import GuardedProvider
-from semkv.provider import ProviderContext
 from semkv.types import Mode
 from semkv_vllm.commit_policy import ExternalKVCachePolicy
+from semkv_vllm.engine_setup import (
+    build_provider,
+    build_shared_store,
+    check_semantic_setup,
+    engine_limit,
+    probe_layout,
+    store_geometry,
+)
 from semkv_vllm.metadata import SemkvMetadata, SemkvWorkerMetadata
 from semkv_vllm.namespace import namespace_from_vllm_config
-from semkv_vllm.page_layout import PageLayout, backend_writer
 from semkv_vllm.rope import RopeShift
-from semkv_vllm.scheduler import SchedulerSide, make_detokenizer
+from semkv_vllm.scheduler import SchedulerSide
 from semkv_vllm.stats import SemkvConnectorStats, SemkvPromMetrics
 from semkv_vllm.worker import WorkerSide
 
@@ -61,83 +66,6 @@ if TYPE_CHECKING:
 log = get_logger("semkv.vllm.connector")
 
 
-def store_geometry(config: SemkvConfig, kv_cache_config: KVCacheConfig) -> tuple[int, int]:
-    """(slots, bytes per slot): one slot holds one block of every layer."""
-    per_slot = sum(
-        group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-        for group in kv_cache_config.kv_cache_groups
-    )
-    slots = int(config.donor_store_bytes) // max(per_slot, 1)
-    if config.semantic_mode in (Mode.MATERIALIZE_EXACT, Mode.MATERIALIZE_SEMANTIC) and slots < 1:
-        raise ValueError(
-            f"donor_store_bytes={int(config.donor_store_bytes)} holds no block "
-            f"(one block of every layer takes {per_slot} bytes)"
-        )
-    return max(slots, 1), per_slot
-
-
-def _build_provider(config: SemkvConfig, vllm_config: VllmConfig,
-                    block_size: int) -> GuardedProvider:
-    from semkv.plugins import get_provider_class
-
-    cls = get_provider_class(config.provider)
-    mc = vllm_config.model_config
-    context = ProviderContext(
-        block_size=block_size,
-        detokenize=make_detokenizer(mc.tokenizer, mc.tokenizer_revision, mc.trust_remote_code),
-    )
-    provider = cls.from_config(config.provider_config, context)
-    return GuardedProvider(provider, timeout_s=config.lookup_timeout_ms / 1e3)
-
-
-def request_only_possible(vllm_config: VllmConfig) -> bool:
-    """Can REQUEST_ONLY be enforced: prefix caching off, or the commit-policy scheduler on."""
-    if not vllm_config.cache_config.enable_prefix_caching:
-        return True
-    from semkv_vllm.commit_policy import CommitPolicyScheduler
-
-    try:
-        cls = vllm_config.scheduler_config.get_scheduler_cls()
-    except Exception:  # noqa: BLE001 - an unresolvable class is vLLM's error to raise
-        return False
-    return isinstance(cls, type) and issubclass(cls, CommitPolicyScheduler)
-
-
-def engine_limit(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str | None:
-    """Why this engine's requests cannot take donor KV (None when they can)."""
-    if len(kv_cache_config.kv_cache_groups) != 1:
-        return "several KV-cache groups (hybrid, Mamba or sliding-window layers)"
-    if vllm_config.speculative_config is not None:
-        return "speculative decoding"
-    if vllm_config.model_config.is_encoder_decoder:
-        return "encoder-decoder model"
-    return None
-
-
-def _check_semantic_setup(config: SemkvConfig, vllm_config: VllmConfig) -> None:
-    if config.semantic_mode is Mode.MATERIALIZE_SEMANTIC and config.semantic_tiers and (
-            not request_only_possible(vllm_config)):
-        raise ConfigError(
-            "semantic_mode=materialize_semantic needs REQUEST_ONLY enforcement: start vLLM with "
-            "--scheduler-cls semkv_vllm.commit_policy.CommitPolicyScheduler (or with prefix "
-            "caching off), or set semantic_tiers to [] to load the exact tier only")
-
-
-def _probe_layout(vllm_config: VllmConfig, kv_caches: dict[str, Any]) -> PageLayout | None:
-    """Learn the page interior from the first attention layer's own cache-write kernel."""
-    layers = vllm_config.compilation_config.static_forward_context
-    for name, kv in kv_caches.items():
-        writer = backend_writer(layers.get(name))
-        if writer is None:
-            continue
-        try:
-            return PageLayout.probe(writer, tuple(kv.shape[1:]), kv.dtype, kv.device)
-        except Exception as exc:  # noqa: BLE001 - unknown layout: token-level loads refused
-            log.warning("page_layout_probe_failed", error_type=type(exc).__name__)
-            return None
-    return None
-
-
 class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
@@ -146,12 +74,12 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.config = SemkvConfig.load(extra)
-        _check_semantic_setup(self.config, vllm_config)
+        check_semantic_setup(self.config, vllm_config)
         self._shared: Any = None  # donor_store=lmcache: LMCache's connector, same role
         self._shared_loads: Any = None
         self._shared_found: dict[str, int] = {}  # request id -> tokens LMCache can load
         if self.config.donor_store == "lmcache":
-            self._shared, self._shared_loads = _build_shared_store(
+            self._shared, self._shared_loads = build_shared_store(
                 self.config, vllm_config, role, kv_cache_config)
         semantic = (self.config.semantic_mode is Mode.MATERIALIZE_SEMANTIC
                     and bool(self.config.semantic_tiers))
@@ -166,7 +94,7 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
             if limit is not None:  # every request falls back as unsupported_request, counted
                 log.warning("semkv_engine_unsupported", why=limit)
             provider = (None if self.config.semantic_mode is Mode.DISABLED
-                        else _build_provider(self.config, vllm_config, block_size))
+                        else build_provider(self.config, vllm_config, block_size))
             self._scheduler = SchedulerSide(
                 self.config, block_size=block_size,
                 namespace=namespace_from_vllm_config(vllm_config), num_slots=slots,
@@ -199,7 +127,7 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
         elif self.config.semantic_mode in (Mode.MATERIALIZE_EXACT, Mode.MATERIALIZE_SEMANTIC):
             self._worker.register_kv_caches(kv_caches)
         if self._semantic:
-            self._worker.layout = _probe_layout(self._vllm_config, kv_caches)
+            self._worker.layout = probe_layout(self._vllm_config, kv_caches)
             self._worker.report_layout = True
             log.info("page_layout", known=self._worker.layout is not None)
 
@@ -405,24 +333,6 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> SemkvPromMetrics:
         return SemkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
-def _build_shared_store(config: SemkvConfig, vllm_config: VllmConfig, role: KVConnectorRole,
-                        kv_cache_config: KVCacheConfig) -> tuple[Any, Any]:
-    """LMCache's connector in this role, on semkv's namespace (``lmcache_store.py``)."""
-    from semkv_vllm.lmcache_store import (
-        LoadTracker,
-        check_setup,
-        inner_vllm_config,
-        lmcache_connector_class,
-    )
-
-    check_setup(config, vllm_config)
-    digest = namespace_from_vllm_config(vllm_config).digest
-    inner = lmcache_connector_class()(inner_vllm_config(vllm_config, config, digest), role,
-                                      kv_cache_config)
-    log.info("lmcache_donor_store", url=config.lmcache_server_url, role=str(role))
-    return inner, LoadTracker()
 
 
 def _register_by_name() -> None:

@@ -1,4 +1,6 @@
-"""Scheduler side of the connector: discovery, admission, load plans, donor capture.
+"""Scheduler side of the connector: discovery, admission, load plans.
+
+Donor capture lives in ``donor_registry.py``, outcome counting in ``provenance.py``.
 
 Protocol, per vLLM scheduler step:
 - ``on_new_request``: register the request (cheap); with ``async_lookup`` start its lookup.
@@ -7,7 +9,7 @@ Protocol, per vLLM scheduler step:
   a donor lease and pins the store slots it will read, before any token is reported.
 - ``update_state_after_alloc``: turn the hit into a ``LoadOp`` on the request's new blocks.
 - ``build_connector_meta``: hand this step's loads to the workers, plus saves of every prompt
-  block that becomes complete during this step; register a donor once its prompt is saved.
+  block that becomes complete during this step (``DonorRegistry.capture``).
 - ``update_connector_output``: learn from the workers how many blocks really arrived.
 - ``request_finished``: provenance, stats, lease release; returns a summary in
   ``kv_transfer_params["semkv"]``.
@@ -23,12 +25,8 @@ Nothing is saved or loaded here then; the shared store's connector moves the KV.
 
 from __future__ import annotations
 
-import itertools
 import time
-from array import array
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from vllm.v1.request import RequestStatus
@@ -41,49 +39,23 @@ from semkv.log import get_logger
 from semkv.lookup import GuardedProvider, LookupResult
 from semkv.metrics import CounterBag
 from semkv.namespace import Namespace
-from semkv.provider import DonorRecord, LookupQuery
+from semkv.provider import LookupQuery
 from semkv.types import (
     CachePolicy,
     Candidate,
     FallbackReason,
     Mode,
-    Provenance,
     QualityTier,
     SemanticKVMatch,
 )
-from semkv_vllm.metadata import LoadOp, SaveOp, SemkvMetadata, SemkvWorkerMetadata
-from semkv_vllm.store_index import StoreIndex, block_keys
+from semkv_vllm.donor_registry import Donor, DonorRegistry
+from semkv_vllm.metadata import LoadOp, SemkvMetadata, SemkvWorkerMetadata
+from semkv_vllm.provenance import account, count_decision
+from semkv_vllm.request_state import RequestState
+from semkv_vllm.store_index import StoreIndex
 
 log = get_logger("semkv.vllm.scheduler")
 MAX_CANDIDATES = 5
-
-
-@dataclass
-class _Donor:
-    donor_id: str
-    namespace: str
-    token_ids: array[int]  # compact: donors are many and long
-    keys: list[bytes]
-
-
-@dataclass
-class _Req:
-    request: Any
-    namespace: Namespace
-    keys: list[bytes] | None = None
-    decision: SemanticKVMatch | None = None
-    assessment: Assessment | None = None
-    decided_for: tuple[int, int] | None = None  # (local prefix, preemptions)
-    answer: tuple[int | None, bool] = (0, False)
-    pinned: list[int] = field(default_factory=list)
-    generations: list[int] = field(default_factory=list)
-    planned: bool = False
-    loaded_tokens: int = 0
-    load_failed: bool = False
-    saved_blocks: int = 0
-    may_save: bool = True
-    registered: bool = False
-    lookup_started: bool = False
 
 
 class SchedulerSide:
@@ -111,18 +83,23 @@ class SchedulerSide:
         self.index = StoreIndex(num_slots)
         self.leases = LeaseTable()
         self.admission = Admission(config, block_size)
-        self.donors: OrderedDict[str, _Donor] = OrderedDict()
-        self.donor_by_tail: dict[bytes, str] = {}
-        self.requests: dict[str, _Req] = {}
+        self.requests: dict[str, RequestState] = {}
         self.pending_loads: list[LoadOp] = []
         self.stats = CounterBag()
+        self.registry = DonorRegistry(
+            config, block_size=block_size, index=self.index, leases=self.leases,
+            provider=provider, stats=self.stats,
+            materialize=self.materialize, saves_blocks=self.materialize and shared_lookup is None)
         self.hook_seconds = 0.0  # connector hooks' time since the last stats export
         self.kv_cache_manager: Any = None
-        self._ids = itertools.count(1)
         self._exported: dict[str, int] = {}  # the guard's counters, as last exported
 
+    @property
+    def donors(self) -> dict[str, Donor]:
+        return self.registry.donors
+
     # -- request registration ----------------------------------------------------------------
-    def _state(self, request: Any) -> _Req:
+    def _state(self, request: Any) -> RequestState:
         st = self.requests.get(request.request_id)
         if st is None:
             from semkv_vllm.namespace import request_lora_identity
@@ -131,7 +108,7 @@ class SchedulerSide:
                 lora_identity=request_lora_identity(request.lora_request),
                 cache_salt=request.cache_salt,
             )
-            st = self.requests[request.request_id] = _Req(request, ns)
+            st = self.requests[request.request_id] = RequestState(request, ns)
             st.may_save = self.engine_supported and self._supported(request)
         return st
 
@@ -149,7 +126,7 @@ class SchedulerSide:
                                                        FallbackReason.PROVIDER_TIMEOUT)
                 st.decided_for = (0, request.num_preemptions)
 
-    def _query(self, st: _Req, local: int) -> LookupQuery:
+    def _query(self, st: RequestState, local: int) -> LookupQuery:
         params = st.request.kv_transfer_params or {}
         text = params.get("semkv_text") if isinstance(params, dict) else None
         return LookupQuery(request_id=st.request.request_id, namespace=st.namespace.digest,
@@ -181,7 +158,7 @@ class SchedulerSide:
             self.stats.inc("lookup_deferred")
             return None, False  # async lookup still running within its budget
         st.decision, st.decided_for = decision, key
-        self._count_decision(decision, len(request.all_token_ids))
+        count_decision(self.stats, decision, len(request.all_token_ids))
         self.stats.observe("lookup_seconds", time.perf_counter() - started)
         if decision.is_hit:
             st.answer = (decision.external_prefix_tokens, self.async_load)
@@ -189,21 +166,7 @@ class SchedulerSide:
             st.answer = (0, False)
         return st.answer
 
-    def _count_decision(self, d: SemanticKVMatch, prompt_tokens: int) -> None:
-        self.stats.inc("lookup_requests")
-        if d.is_hit:
-            self.stats.inc("lookup_hits", d.quality_tier)
-            self.stats.observe("request_external_tokens", d.external_prefix_tokens)
-            self.stats.observe("request_similarity", d.similarity)
-            self.stats.observe("request_reuse_ratio",
-                               d.external_prefix_tokens / max(prompt_tokens, 1))
-        elif d.fallback_reason is FallbackReason.PROVIDER_MISS:
-            self.stats.inc("lookup_misses")
-        elif d.fallback_reason not in (FallbackReason.PROVIDER_ERROR,
-                                       FallbackReason.PROVIDER_TIMEOUT):
-            self.stats.inc("lookup_rejected", d.fallback_reason)  # errors: lookup_errors
-
-    def _decide(self, st: _Req, local: int) -> SemanticKVMatch | None:
+    def _decide(self, st: RequestState, local: int) -> SemanticKVMatch | None:
         rid = st.request.request_id
         tokens = st.request.all_token_ids
         if full_prompt_cap(len(tokens), local, len(tokens), self.bs,
@@ -248,7 +211,7 @@ class SchedulerSide:
                                             local_prefix_tokens=local)
         return match
 
-    def _shared_candidate(self, st: _Req, local: int, tokens: int) -> Candidate:
+    def _shared_candidate(self, st: RequestState, local: int, tokens: int) -> Candidate:
         """The shared store's prefix of this request, as a transient exact-tier donor."""
         donor_id = f"shared:{st.request.request_id}"
         digest = st.namespace.digest
@@ -272,7 +235,7 @@ class SchedulerSide:
             return FallbackReason.UNSUPPORTED_REQUEST  # pages or positions cannot be edited
         return None
 
-    def _lookup(self, st: _Req, local: int) -> LookupResult | None:
+    def _lookup(self, st: RequestState, local: int) -> LookupResult | None:
         assert self.provider is not None
         if not self.config.async_lookup:
             return self.provider.lookup_now(self._query(st, local))
@@ -285,18 +248,12 @@ class SchedulerSide:
     def _donor_view(self, donor_id: str) -> DonorView | None:
         if donor_id in self.shared_donors:
             return self.shared_donors[donor_id]
-        donor = self.donors.get(donor_id)
-        if donor is None:
-            return None
-        self.donors.move_to_end(donor_id)
-        stored = (self.index.stored_prefix(donor.keys) if self.materialize
-                  else len(donor.keys)) * self.bs
-        return DonorView(donor_id, donor.namespace, donor.token_ids, stored)
+        return self.registry.view(donor_id)
 
-    def _pin(self, st: _Req, match: SemanticKVMatch) -> bool:
+    def _pin(self, st: RequestState, match: SemanticKVMatch) -> bool:
         if not self.materialize or match.donor_id in self.shared_donors:
             return True  # a shared store holds its own locks from lookup to load
-        donor = self.donors[match.donor_id or ""]
+        donor = self.registry.donors[match.donor_id or ""]
         first, count = self._donor_blocks(st, match)
         found = [self.index.get(k) for k in donor.keys[first : first + count]]
         if any(f is None for f in found):
@@ -306,7 +263,7 @@ class SchedulerSide:
         self.index.pin(st.pinned)
         return True
 
-    def _donor_blocks(self, st: _Req, match: SemanticKVMatch) -> tuple[int, int]:
+    def _donor_blocks(self, st: RequestState, match: SemanticKVMatch) -> tuple[int, int]:
         """(first donor block, number of blocks) the load reads."""
         span = st.assessment.span if st.assessment is not None else None
         if match.quality_tier is QualityTier.EXACT or span is None:
@@ -314,7 +271,7 @@ class SchedulerSide:
         lo, hi = span.donor_range()
         return lo // self.bs, (hi - 1) // self.bs - lo // self.bs + 1
 
-    def _release(self, st: _Req) -> None:
+    def _release(self, st: RequestState) -> None:
         if st.decision is not None and st.decision.donor_lease_id:
             self.leases.release(st.decision.donor_lease_id)
         if st.pinned:
@@ -378,79 +335,10 @@ class SchedulerSide:
             for rid, scheduled in scheduler_output.num_scheduled_tokens.items():
                 st = self.requests.get(rid)
                 if st is not None and st.may_save and not st.registered:
-                    self._capture(st, st.request.num_computed_tokens + scheduled, meta)
+                    self.registry.capture(st, st.request.num_computed_tokens + scheduled, meta,
+                                          self.kv_cache_manager)
         self.index.evicted_keys.clear()
         return meta
-
-    def _capture(self, st: _Req, computed_after: int, meta: SemkvMetadata) -> None:
-        request = st.request
-        prompt = request.num_prompt_tokens
-        total_blocks = prompt // self.bs
-        if total_blocks * self.bs < self.config.min_reuse_tokens:
-            st.may_save = False  # too short to ever be worth reusing
-            return
-        done = min(computed_after, prompt) // self.bs
-        if done <= st.saved_blocks:
-            return
-        if st.keys is None:
-            st.keys = block_keys(st.namespace.digest, request.prompt_token_ids, self.bs)
-        if self.materialize and self.shared_lookup is None:  # a shared store saves for itself
-            if self.kv_cache_manager is None:
-                return
-            if total_blocks > self.index.num_slots:
-                st.may_save = False  # a donor larger than the whole store could never serve
-                return
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]
-            op = SaveOp([], [], [])
-            for i in range(st.saved_blocks, done):
-                got = self.index.reserve(st.keys[i])
-                if got is None:
-                    if self.index.get(st.keys[i]) is None:  # every slot pinned: stop here
-                        st.may_save = False
-                        break
-                    continue
-                self.index.pin([got[0]])  # never evict a block this request just stored
-                op.slots.append(got[0])
-                op.generations.append(got[1])
-                op.block_ids.append(block_ids[i])
-            self.index.unpin(op.slots)
-            if op.slots:
-                meta.saves.append(op)
-        st.saved_blocks = done
-        if done == total_blocks and st.may_save:
-            self._register(st)
-
-    def _register(self, st: _Req) -> None:
-        assert st.keys is not None and self.provider is not None
-        st.registered = True
-        tail = st.keys[-1]
-        if tail in self.donor_by_tail and self.donor_by_tail[tail] in self.donors:
-            self.donors.move_to_end(self.donor_by_tail[tail])
-            return
-        donor_id = f"d{next(self._ids)}"
-        tokens = as_tokens(st.request.prompt_token_ids[: len(st.keys) * self.bs])
-        self.donors[donor_id] = _Donor(donor_id, st.namespace.digest, tokens, st.keys)
-        self.donor_by_tail[tail] = donor_id
-        self.leases.publish(donor_id)
-        self.provider.register(DonorRecord(donor_id=donor_id, namespace=st.namespace.digest,
-                                           token_ids=tuple(tokens)))
-        self.stats.inc("donor_registrations")
-        self._trim_donors()
-
-    def _trim_donors(self) -> None:
-        for donor_id in list(self.donors):
-            if len(self.donors) <= self.config.max_donors:
-                break
-            if self.leases.try_retire(donor_id):
-                self._drop_donor(donor_id)
-
-    def _drop_donor(self, donor_id: str) -> None:
-        donor = self.donors.pop(donor_id)
-        if self.donor_by_tail.get(donor.keys[-1]) == donor_id:
-            del self.donor_by_tail[donor.keys[-1]]
-        assert self.provider is not None
-        self.provider.evict(donor_id)
-        self.stats.inc("donor_evictions")
 
     # -- worker feedback and finish ----------------------------------------------------------
     def update_connector_output(self, worker_meta: Any) -> None:
@@ -478,57 +366,13 @@ class SchedulerSide:
         if st.planned and request.status == RequestStatus.FINISHED_ERROR:
             # kv_load_failure_policy "fail": vLLM ends the request for the invalid blocks of
             # its load before it hands us the worker's report of that failure.
-            st.load_failed = True
-        summary = self._account(st)
+            st.load_failed = st.errored = True
+        summary = account(self.stats, st)
         log.info("provenance", request_id=request.request_id, **summary)  # counts only, no text
         self._release(st)
         if self.provider is not None:
             self.provider.forget(request.request_id)
         return {"semkv": summary}
-
-    def _account(self, st: _Req) -> dict[str, Any]:
-        d = st.decision
-        local = d.local_prefix_tokens if d is not None else 0
-        if d is not None and d.is_hit and st.planned and not st.load_failed:
-            tier = d.quality_tier or QualityTier.EXACT
-            outcome = (Provenance.EXACT_EXTERNAL_KV_HIT if tier is QualityTier.EXACT
-                       else Provenance.REQUEST_ONLY_SEMANTIC_REUSE)
-            self.stats.inc("materialize_success", tier)
-            self.stats.inc("external_tokens", tier, d.external_prefix_tokens)
-            reason = None
-        else:
-            if st.load_failed:
-                self.stats.inc("materialize_recompute", FallbackReason.LOAD_FAILED)
-            reason = (FallbackReason.LOAD_FAILED if st.load_failed
-                      else d.fallback_reason if d is not None and d.fallback_reason
-                      else FallbackReason.PROVIDER_MISS if d is not None
-                      else FallbackReason.PROVIDER_DISABLED)
-            tier = None
-            a = st.assessment
-            if a is not None and a.external_tokens > 0:
-                self.stats.inc("would_reuse_tokens", a.tier, a.external_tokens)
-            if a is not None and a.tier is not QualityTier.EXACT and not st.load_failed:
-                outcome = Provenance.SEMANTIC_CANDIDATE_REJECTED
-            elif local > 0:
-                outcome = Provenance.EXACT_LOCAL_PREFIX_HIT
-            else:
-                outcome = Provenance.FALLBACK_RECOMPUTE
-            self.stats.inc("fallbacks", reason)
-        self.stats.inc("provenance", outcome)
-        would = st.assessment.external_tokens if st.assessment is not None and tier is None else 0
-        return {
-            "provenance": str(outcome),
-            "would_reuse_tokens": would,
-            "tier": str(tier) if tier else None,
-            "fallback_reason": str(reason) if reason else None,
-            "local_prefix_tokens": local,
-            "external_tokens": d.external_prefix_tokens if d is not None else 0,
-            # 0 when the request stopped in the very step of its load (see update_connector_output)
-            "confirmed_loaded_tokens": st.loaded_tokens,
-            "donor_id": d.donor_id if d is not None else None,
-            # served tokens identical to the target's own (1.0 for exact/verified hits)
-            "similarity": d.similarity if d is not None and tier is not None else None,
-        }
 
     # -- lifecycle ---------------------------------------------------------------------------
     def reset(self) -> None:
@@ -540,8 +384,7 @@ class SchedulerSide:
         self.pending_loads = []
         self.index.clear()
         self.index.evicted_keys.clear()
-        self.donors.clear()
-        self.donor_by_tail.clear()
+        self.registry.clear()
         self.shared_donors.clear()
         if self.provider is not None:
             self.provider.reset()
@@ -562,23 +405,7 @@ class SchedulerSide:
                     self.stats.inc("lookup_errors", kind, delta)
                     self._exported[kind] = value
         self.stats.set("donor_store_bytes", len(self.index) * self.bytes_per_slot)
-        self.stats.set("donors", len(self.donors))
+        self.stats.set("donors", len(self.registry))
         self.stats.set("live_leases", self.leases.live_count())
         return self.stats.take()
 
-
-def make_detokenizer(tokenizer_path: str, revision: str | None,
-                     trust_remote_code: bool) -> Callable[[Sequence[int]], str]:
-    """Lazy detokenizer for providers that need text (loaded on first use)."""
-    tokenizer: Any = None
-
-    def detokenize(token_ids: Sequence[int]) -> str:
-        nonlocal tokenizer
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(
-                tokenizer_path, revision=revision, trust_remote_code=trust_remote_code)
-        return str(tokenizer.decode(list(token_ids), skip_special_tokens=False))
-
-    return detokenize

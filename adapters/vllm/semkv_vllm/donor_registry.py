@@ -1,0 +1,150 @@
+"""Donors on the scheduler side: saving a request's prompt blocks, then registering it.
+
+Protocol (driven by ``SchedulerSide.build_connector_meta``, once per step and request):
+- ``capture``: every prompt block that becomes complete in this step gets a store slot
+  (content-addressed: a block already stored is not stored again) and a ``SaveOp`` for the
+  workers; once all full prompt blocks are stored the request is ``register``-ed with the
+  provider as a donor.
+- ``view``: what admission may read of a donor (tokens, and how much of it is still stored).
+- Donors beyond ``max_donors`` are retired oldest first, unless a lease holds them.
+
+NOTE: in ``discovery_only`` (and with a shared store, which saves for itself) nothing is saved:
+donors are registered by their tokens only, so the stats can say what would have been reused.
+NOTE: slots reserved for one plan stay pinned until the plan is complete, so a later
+reservation in the same plan can never evict a block it has just stored.
+"""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from semkv.admission import DonorView, as_tokens
+from semkv.config import SemkvConfig
+from semkv.leases import LeaseTable
+from semkv.lookup import GuardedProvider
+from semkv.metrics import CounterBag
+from semkv.provider import DonorRecord
+from semkv_vllm.metadata import SaveOp, SemkvMetadata
+from semkv_vllm.request_state import RequestState
+from semkv_vllm.store_index import StoreIndex, block_keys
+
+
+@dataclass
+class Donor:
+    donor_id: str
+    namespace: str
+    token_ids: array[int]  # compact: donors are many and long
+    keys: list[bytes]
+
+
+class DonorRegistry:
+    def __init__(self, config: SemkvConfig, *, block_size: int, index: StoreIndex,
+                 leases: LeaseTable, provider: GuardedProvider | None, stats: CounterBag,
+                 materialize: bool, saves_blocks: bool) -> None:
+        self.config = config
+        self.bs = block_size
+        self.index = index
+        self.leases = leases
+        self.provider = provider
+        self.stats = stats
+        self.materialize = materialize  # loads read the store: only stored blocks count
+        self.saves_blocks = saves_blocks  # False: discovery only, or a shared store saves
+        self.donors: OrderedDict[str, Donor] = OrderedDict()
+        self.by_tail: dict[bytes, str] = {}  # last block's key -> donor (same prompt: one donor)
+        self._ids = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self.donors)
+
+    def view(self, donor_id: str) -> DonorView | None:
+        donor = self.donors.get(donor_id)
+        if donor is None:
+            return None
+        self.donors.move_to_end(donor_id)
+        stored = (self.index.stored_prefix(donor.keys) if self.materialize
+                  else len(donor.keys)) * self.bs
+        return DonorView(donor_id, donor.namespace, donor.token_ids, stored)
+
+    def capture(self, st: RequestState, computed_after: int, meta: SemkvMetadata,
+                kv_cache_manager: Any) -> None:
+        """Save the prompt blocks complete after this step; register the donor when all are."""
+        request = st.request
+        prompt = request.num_prompt_tokens
+        total_blocks = prompt // self.bs
+        if total_blocks * self.bs < self.config.min_reuse_tokens:
+            st.may_save = False  # too short to ever be worth reusing
+            return
+        done = min(computed_after, prompt) // self.bs
+        if done <= st.saved_blocks:
+            return
+        if st.keys is None:
+            st.keys = block_keys(st.namespace.digest, request.prompt_token_ids, self.bs)
+        if self.saves_blocks:
+            if kv_cache_manager is None:
+                return
+            if total_blocks > self.index.num_slots:
+                st.may_save = False  # a donor larger than the whole store could never serve
+                return
+            op = self._plan_save(st, done, kv_cache_manager.get_block_ids(request.request_id)[0])
+            if op.slots:
+                meta.saves.append(op)
+        st.saved_blocks = done
+        if done == total_blocks and st.may_save:
+            self.register(st)
+
+    def _plan_save(self, st: RequestState, done: int, block_ids: list[int]) -> SaveOp:
+        assert st.keys is not None
+        op = SaveOp([], [], [])
+        for i in range(st.saved_blocks, done):
+            got = self.index.reserve(st.keys[i])
+            if got is None:
+                if self.index.get(st.keys[i]) is None:  # every slot pinned: stop here
+                    st.may_save = False
+                    break
+                continue  # already stored
+            self.index.pin([got[0]])
+            op.slots.append(got[0])
+            op.generations.append(got[1])
+            op.block_ids.append(block_ids[i])
+        self.index.unpin(op.slots)
+        return op
+
+    def register(self, st: RequestState) -> None:
+        assert st.keys is not None and self.provider is not None
+        st.registered = True
+        tail = st.keys[-1]
+        if tail in self.by_tail and self.by_tail[tail] in self.donors:
+            self.donors.move_to_end(self.by_tail[tail])
+            return
+        donor_id = f"d{next(self._ids)}"
+        tokens = as_tokens(st.request.prompt_token_ids[: len(st.keys) * self.bs])
+        self.donors[donor_id] = Donor(donor_id, st.namespace.digest, tokens, st.keys)
+        self.by_tail[tail] = donor_id
+        self.leases.publish(donor_id)
+        self.provider.register(DonorRecord(donor_id=donor_id, namespace=st.namespace.digest,
+                                           token_ids=tuple(tokens)))
+        self.stats.inc("donor_registrations")
+        self._trim()
+
+    def _trim(self) -> None:
+        for donor_id in list(self.donors):
+            if len(self.donors) <= self.config.max_donors:
+                break
+            if self.leases.try_retire(donor_id):
+                self._drop(donor_id)
+
+    def _drop(self, donor_id: str) -> None:
+        donor = self.donors.pop(donor_id)
+        if self.by_tail.get(donor.keys[-1]) == donor_id:
+            del self.by_tail[donor.keys[-1]]
+        assert self.provider is not None
+        self.provider.evict(donor_id)
+        self.stats.inc("donor_evictions")
+
+    def clear(self) -> None:
+        self.donors.clear()
+        self.by_tail.clear()

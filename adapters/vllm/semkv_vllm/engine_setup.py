@@ -1,0 +1,138 @@
+"""Engine start-up for the connector: store size, provider, engine checks, page layout.
+
+Everything here runs once, in ``SemanticKVConnector.__init__`` or ``register_kv_caches``, and
+raises (naming the problem) rather than start half-configured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from semkv.config import ConfigError, SemkvConfig
+from semkv.log import get_logger
+from semkv.lookup import GuardedProvider
+from semkv.provider import ProviderContext
+from semkv.types import Mode
+from semkv_vllm.namespace import namespace_from_vllm_config
+from semkv_vllm.page_layout import PageLayout, backend_writer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = get_logger("semkv.vllm.connector")
+
+
+def store_geometry(config: SemkvConfig, kv_cache_config: KVCacheConfig) -> tuple[int, int]:
+    """(slots, bytes per slot): one slot holds one block of every layer."""
+    per_slot = sum(
+        group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+        for group in kv_cache_config.kv_cache_groups
+    )
+    slots = int(config.donor_store_bytes) // max(per_slot, 1)
+    if config.semantic_mode in (Mode.MATERIALIZE_EXACT, Mode.MATERIALIZE_SEMANTIC) and slots < 1:
+        raise ValueError(
+            f"donor_store_bytes={int(config.donor_store_bytes)} holds no block "
+            f"(one block of every layer takes {per_slot} bytes)"
+        )
+    return max(slots, 1), per_slot
+
+
+def build_provider(config: SemkvConfig, vllm_config: VllmConfig,
+                    block_size: int) -> GuardedProvider:
+    from semkv.plugins import get_provider_class
+
+    cls = get_provider_class(config.provider)
+    mc = vllm_config.model_config
+    context = ProviderContext(
+        block_size=block_size,
+        detokenize=make_detokenizer(mc.tokenizer, mc.tokenizer_revision, mc.trust_remote_code),
+    )
+    provider = cls.from_config(config.provider_config, context)
+    return GuardedProvider(provider, timeout_s=config.lookup_timeout_ms / 1e3)
+
+
+def request_only_possible(vllm_config: VllmConfig) -> bool:
+    """Can REQUEST_ONLY be enforced: prefix caching off, or the commit-policy scheduler on."""
+    if not vllm_config.cache_config.enable_prefix_caching:
+        return True
+    from semkv_vllm.commit_policy import CommitPolicyScheduler
+
+    try:
+        cls = vllm_config.scheduler_config.get_scheduler_cls()
+    except Exception:  # noqa: BLE001 - an unresolvable class is vLLM's error to raise
+        return False
+    return isinstance(cls, type) and issubclass(cls, CommitPolicyScheduler)
+
+
+def engine_limit(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str | None:
+    """Why this engine's requests cannot take donor KV (None when they can)."""
+    if len(kv_cache_config.kv_cache_groups) != 1:
+        return "several KV-cache groups (hybrid, Mamba or sliding-window layers)"
+    if vllm_config.speculative_config is not None:
+        return "speculative decoding"
+    if vllm_config.model_config.is_encoder_decoder:
+        return "encoder-decoder model"
+    return None
+
+
+def check_semantic_setup(config: SemkvConfig, vllm_config: VllmConfig) -> None:
+    if config.semantic_mode is Mode.MATERIALIZE_SEMANTIC and config.semantic_tiers and (
+            not request_only_possible(vllm_config)):
+        raise ConfigError(
+            "semantic_mode=materialize_semantic needs REQUEST_ONLY enforcement: start vLLM with "
+            "--scheduler-cls semkv_vllm.commit_policy.CommitPolicyScheduler (or with prefix "
+            "caching off), or set semantic_tiers to [] to load the exact tier only")
+
+
+def probe_layout(vllm_config: VllmConfig, kv_caches: dict[str, Any]) -> PageLayout | None:
+    """Learn the page interior from the first attention layer's own cache-write kernel."""
+    layers = vllm_config.compilation_config.static_forward_context
+    for name, kv in kv_caches.items():
+        writer = backend_writer(layers.get(name))
+        if writer is None:
+            continue
+        try:
+            return PageLayout.probe(writer, tuple(kv.shape[1:]), kv.dtype, kv.device)
+        except Exception as exc:  # noqa: BLE001 - unknown layout: token-level loads refused
+            log.warning("page_layout_probe_failed", error_type=type(exc).__name__)
+            return None
+    return None
+
+
+def build_shared_store(config: SemkvConfig, vllm_config: VllmConfig, role: KVConnectorRole,
+                        kv_cache_config: KVCacheConfig) -> tuple[Any, Any]:
+    """LMCache's connector in this role, on semkv's namespace (``lmcache_store.py``)."""
+    from semkv_vllm.lmcache_store import (
+        LoadTracker,
+        check_setup,
+        inner_vllm_config,
+        lmcache_connector_class,
+    )
+
+    check_setup(config, vllm_config)
+    digest = namespace_from_vllm_config(vllm_config).digest
+    inner = lmcache_connector_class()(inner_vllm_config(vllm_config, config, digest), role,
+                                      kv_cache_config)
+    log.info("lmcache_donor_store", url=config.lmcache_server_url, role=str(role))
+    return inner, LoadTracker()
+
+
+
+def make_detokenizer(tokenizer_path: str, revision: str | None,
+                     trust_remote_code: bool) -> Callable[[Sequence[int]], str]:
+    """Lazy detokenizer for providers that need text (loaded on first use)."""
+    tokenizer: Any = None
+
+    def detokenize(token_ids: Sequence[int]) -> str:
+        nonlocal tokenizer
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(
+                tokenizer_path, revision=revision, trust_remote_code=trust_remote_code)
+        return str(tokenizer.decode(list(token_ids), skip_special_tokens=False))
+
+    return detokenize

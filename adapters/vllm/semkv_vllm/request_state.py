@@ -1,0 +1,31 @@
+"""What the scheduler side keeps per request, from registration to ``request_finished``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from semkv.admission import Assessment
+from semkv.namespace import Namespace
+from semkv.types import SemanticKVMatch
+
+
+@dataclass
+class RequestState:
+    request: Any  # vLLM's Request
+    namespace: Namespace
+    keys: list[bytes] | None = None  # content keys of its full prompt blocks, once saving
+    decision: SemanticKVMatch | None = None
+    assessment: Assessment | None = None
+    decided_for: tuple[int, int] | None = None  # (local prefix, preemptions)
+    answer: tuple[int | None, bool] = (0, False)
+    pinned: list[int] = field(default_factory=list)  # store slots its load reads
+    generations: list[int] = field(default_factory=list)
+    planned: bool = False
+    loaded_tokens: int = 0  # confirmed by the worker
+    load_failed: bool = False
+    errored: bool = False  # vLLM ended it for its failed load (kv_load_failure_policy fail)
+    saved_blocks: int = 0
+    may_save: bool = True
+    registered: bool = False
+    lookup_started: bool = False
