@@ -27,6 +27,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 from semkv.namespace import ABSENT, Namespace  # noqa: E402
 from semkv.provider import DonorProvider, LookupQuery  # noqa: E402
+from semkv.testing.delegating import DelegatingProvider  # noqa: E402
 from tests.vllm_harness import BLOCK, EOS, Harness, make_harness  # noqa: E402
 
 # A generous lookup budget: a timeout on a loaded CI machine must not pass for isolation.
@@ -42,31 +43,19 @@ LORAS = st.one_of(st.none(), st.builds(
 IDENTITY = st.tuples(SALTS, LORAS)
 
 
-class Spy(DonorProvider):
+class Spy(DelegatingProvider):
     """Wraps the real provider and records every (query namespace, candidate namespace)."""
 
     name = "spy"
 
     def __init__(self, inner: DonorProvider) -> None:
-        self.inner, self.seen = inner, []  # type: list[tuple[str, str]]
-        self.capabilities = inner.capabilities  # type: ignore[misc]
+        super().__init__(inner)
+        self.seen: list[tuple[str, str]] = []
 
     def lookup(self, query: LookupQuery) -> list[Any]:
         found = self.inner.lookup(query)
         self.seen.extend((query.namespace, c.namespace) for c in found)
         return found
-
-    def register_donor(self, donor: Any) -> None:
-        self.inner.register_donor(donor)
-
-    def evict(self, donor_id: str) -> None:
-        self.inner.evict(donor_id)
-
-    def reset(self) -> None:
-        self.inner.reset()
-
-    def flush(self) -> None:
-        self.inner.flush()
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ registers under the ``pytest11`` entry point.
 """
 
 from semkv.testing.contract import ProviderContract
+from semkv.testing.delegating import DelegatingProvider
 from semkv.testing.synthetic import SyntheticCorpus, synthetic_detokenize
 
-__all__ = ["ProviderContract", "SyntheticCorpus", "synthetic_detokenize"]
+__all__ = ["DelegatingProvider", "ProviderContract", "SyntheticCorpus", "synthetic_detokenize"]

@@ -32,7 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import semkv
 from semkv.log import get_logger
-from semkv.provider import DonorProvider, DonorRecord, LookupQuery, ProviderContext
+from semkv.provider import LookupQuery, ProviderContext
+from semkv.testing.delegating import DelegatingProvider
 from semkv.types import Candidate
 
 FaultKind = Literal["raise", "hang", "garbage", "foreign", "out_of_range", "unknown_donor",
@@ -52,19 +53,18 @@ class FaultyConfig(BaseModel):
     seed: int = 0
 
 
-class FaultyProvider(DonorProvider):
+class FaultyProvider(DelegatingProvider):
     name = "faulty"
     fault_injection = True  # excluded from the conformance kit's default run
     Config = FaultyConfig
     config: FaultyConfig
 
     def __init__(self, config: BaseModel, context: ProviderContext) -> None:
-        super().__init__(config, context)
         from semkv.plugins import get_provider_class
 
-        self.inner = get_provider_class(self.config.inner).from_config(
-            self.config.inner_config, context)
-        self.capabilities = self.inner.capabilities  # type: ignore[misc]
+        assert isinstance(config, FaultyConfig)
+        inner = get_provider_class(config.inner).from_config(config.inner_config, context)
+        super().__init__(inner, config, context)
         self._rng = random.Random(self.config.seed)
         self._lock = threading.Lock()
         self.injected: Counter[str] = Counter()
@@ -106,21 +106,6 @@ class FaultyProvider(DonorProvider):
         if kind == "nan_similarity":
             return [first.model_copy(update={"similarity": float("nan")})]
         return [first.model_copy(update={"donor_id": "never-registered"})]
-
-    def register_donor(self, donor: DonorRecord) -> None:
-        self.inner.register_donor(donor)
-
-    def evict(self, donor_id: str) -> None:
-        self.inner.evict(donor_id)
-
-    def reset(self) -> None:
-        self.inner.reset()
-
-    def flush(self) -> None:
-        self.inner.flush()
-
-    def close(self) -> None:
-        self.inner.close()
 
     def stats(self) -> dict[str, float]:
         return {f"injected_{k}": float(v) for k, v in self.injected.items()}
