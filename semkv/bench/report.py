@@ -18,6 +18,27 @@ def _pct(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:.0f}%"
 
 
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def _speed_rows(arms: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for name, s in arms.items():
+        miss = s.get("miss", {})
+        rows.append([
+            name, _f(s["ttft_s"]["p50"]), _f(s["ttft_s"]["p95"]), _f(s["ttft_s"]["p99"]),
+            _f(s["e2e_s"]["p50"]), _f(s["throughput_tok_s"], ".1f"),
+            _f(s["speedup_overall"], ".2f", "x"), _f(s["speedup_hit_only"], ".2f", "x"),
+            _f(s["speedup_vs_own_miss"], ".2f", "x"),
+            _f(s["speedup_vs_own_miss_hit_only"], ".2f", "x"),
+            _f(miss.get("over_cold_median")), _f(miss.get("semkv_share_median"), ".4f"),
+            _f(s["lookup_ms"]["p50"], ".2f"), _f(s["semkv_ms_per_request"], ".2f"),
+            _f(s["donor_store_bytes"] / 2**20, ".1f")])
+    return rows
+
+
 def markdown(result: dict[str, Any]) -> str:
     arms, cfg = result["arms"], result["config"]
     lines = [
@@ -28,23 +49,10 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "### Speed (reuse phase, one request at a time; speedups paired per prompt vs disabled)",
         "",
-        "| arm | TTFT p50 | p95 | p99 | e2e p50 | tok/s | speedup | hit-only | vs own miss "
-        "| hit-only | miss/cold | semkv share of miss | lookup p50 ms | semkv ms/req | store MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *_table(["arm", "TTFT p50", "p95", "p99", "e2e p50", "tok/s", "speedup", "hit-only",
+                 "vs own miss", "hit-only", "miss/cold", "semkv share of miss",
+                 "lookup p50 ms", "semkv ms/req", "store MiB"], _speed_rows(arms)),
     ]
-    for name, s in arms.items():
-        miss = s.get("miss", {})
-        lines.append(
-            f"| {name} | {_f(s['ttft_s']['p50'])} | {_f(s['ttft_s']['p95'])} | "
-            f"{_f(s['ttft_s']['p99'])} | {_f(s['e2e_s']['p50'])} | "
-            f"{_f(s['throughput_tok_s'], '.1f')} | {_f(s['speedup_overall'], '.2f', 'x')} | "
-            f"{_f(s['speedup_hit_only'], '.2f', 'x')} | "
-            f"{_f(s['speedup_vs_own_miss'], '.2f', 'x')} | "
-            f"{_f(s['speedup_vs_own_miss_hit_only'], '.2f', 'x')} | "
-            f"{_f(miss.get('over_cold_median'))} | "
-            f"{_f(miss.get('semkv_share_median'), '.4f')} | {_f(s['lookup_ms']['p50'], '.2f')} | "
-            f"{_f(s['semkv_ms_per_request'], '.2f')} | "
-            f"{_f(s['donor_store_bytes'] / 2**20, '.1f')} |")
     base = arms["disabled"].get("vllm_prefix_hit")
     if base:
         lines += ["", f"Anchor, vLLM's own prefix cache (same prompt again on the disabled "
@@ -53,37 +61,29 @@ def markdown(result: dict[str, Any]) -> str:
                       f"{_pct(base['same_as_cold_rate'])}."]
     conc = [(n, s["concurrent"]) for n, s in arms.items() if "concurrent" in s]
     if conc:
-        lines += ["", f"### Throughput at concurrency {cfg['concurrency']}", "",
-                  "| arm | requests | wall s | tok/s | req/s | TTFT p50 | p95 | p99 |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for n, c in conc:
-            lines.append(f"| {n} | {c['requests']} | {_f(c['wall_s'], '.1f')} | "
-                         f"{_f(c['throughput_tok_s'], '.1f')} | {_f(c['requests_per_s'], '.2f')}"
-                         f" | {_f(c['ttft_s']['p50'])} | {_f(c['ttft_s']['p95'])} | "
-                         f"{_f(c['ttft_s']['p99'])} |")
-    lines += ["", "### Reuse (engine-confirmed) and fallbacks", "",
-              "| arm | hits | hit rate (positives) | reported ext. tokens | loaded tokens | "
-              "would reuse | tiers | fallback reasons | FP rate (negatives, non-exact) |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for name, s in arms.items():
-        tiers = ", ".join(f"{k}: {v}" for k, v in s["tiers"].items()) or "–"
-        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(s["fallback_reasons"].items()))
-        lines.append(f"| {name} | {s['hits']}/{s['targets']} | {_pct(s['hit_rate_positives'])} "
-                     f"| {s['external_tokens']} | {s['loaded_tokens']} | "
-                     f"{s['would_reuse_tokens']} | {tiers} | {reasons} | "
-                     f"{_pct(s['false_positive_rate'])} |")
+        lines += ["", f"### Throughput at concurrency {cfg['concurrency']}", "", *_table(
+            ["arm", "requests", "wall s", "tok/s", "req/s", "TTFT p50", "p95", "p99"],
+            [[n, str(c["requests"]), _f(c["wall_s"], ".1f"), _f(c["throughput_tok_s"], ".1f"),
+              _f(c["requests_per_s"], ".2f"), _f(c["ttft_s"]["p50"]), _f(c["ttft_s"]["p95"]),
+              _f(c["ttft_s"]["p99"])] for n, c in conc])]
+    lines += ["", "### Reuse (engine-confirmed) and fallbacks", "", *_table(
+        ["arm", "hits", "hit rate (positives)", "reported ext. tokens", "loaded tokens",
+         "would reuse", "tiers", "fallback reasons", "FP rate (negatives, non-exact)"],
+        [[name, f"{s['hits']}/{s['targets']}", _pct(s["hit_rate_positives"]),
+          str(s["external_tokens"]), str(s["loaded_tokens"]), str(s["would_reuse_tokens"]),
+          ", ".join(f"{k}: {v}" for k, v in s["tiers"].items()) or "–",
+          ", ".join(f"{k}: {v}" for k, v in sorted(s["fallback_reasons"].items())),
+          _pct(s["false_positive_rate"])] for name, s in arms.items()])]
     lines += ["", "### Quality against the cold run of the same prompt, per cluster type", "",
-              "| arm | cluster type | targets | hits | exact match | ROUGE-L med | token F1 med "
-              "| first div. med | logprob Δ med | response cache ROUGE-L |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, s in arms.items():
-        for kind, q in s["quality_by_kind"].items():
-            lines.append(
-                f"| {name} | {kind} | {q['targets']} | {q['hits']} | "
-                f"{_pct(q['exact_match_rate'])} | {_f(q['rouge_l_median'], '.2f')} | "
-                f"{_f(q['token_f1_median'], '.2f')} | {_f(q['first_divergence_median'], '.0f')} "
-                f"| {_f(q['logprob_delta_median'], '.4f')} | "
-                f"{_f(q['response_cache_rouge_l_median'], '.2f')} |")
+              *_table(["arm", "cluster type", "targets", "hits", "exact match", "ROUGE-L med",
+                       "token F1 med", "first div. med", "logprob Δ med",
+                       "response cache ROUGE-L"],
+                      [[name, kind, str(q["targets"]), str(q["hits"]),
+                        _pct(q["exact_match_rate"]), _f(q["rouge_l_median"], ".2f"),
+                        _f(q["token_f1_median"], ".2f"), _f(q["first_divergence_median"], ".0f"),
+                        _f(q["logprob_delta_median"], ".4f"),
+                        _f(q["response_cache_rouge_l_median"], ".2f")]
+                       for name, s in arms.items() for kind, q in s["quality_by_kind"].items()])]
     lines += ["", "### Targets", ""] + _targets_md(result["targets"])
     return "\n".join(lines) + "\n"
 
