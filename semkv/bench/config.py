@@ -120,8 +120,9 @@ PRESETS: dict[str, BenchConfig] = {
     # not yet run to completion (docs/bench.md).
     "full": BenchConfig(
         preset="full",
-        arms=("disabled", "discovery_only:chunks", "materialize_exact:chunks",
-              "materialize_semantic:minhash", "materialize_semantic:semblend", "wrong_donor"),
+        arms=("disabled", "discovery_only:chunks", "discovery_only:minhash",
+              "materialize_exact:chunks", "materialize_semantic:minhash",
+              "materialize_semantic:semblend", "wrong_donor"),
         kinds=tuple(c.value for c in ClusterKind), clusters_per_type=2, target_tokens=768,
         max_tokens=32, concurrency=4),
 }
