@@ -22,6 +22,8 @@ TTFT = wall time of a 1-token generation, one request at a time. Medians over ``
 different documents per length. Prints a table and writes raw JSON.
 
     .venv/bin/python benchmarks/exact_ttft.py --lengths 1024 2048 4096 7168 --reps 4
+    .venv/bin/python benchmarks/exact_ttft.py --lengths 1024 --reps 12 --semkv-first
+    .venv/bin/python benchmarks/exact_ttft.py --lengths 7168 --reps 3 --hit-reps 8 --skip-cold
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def build(extra: dict[str, Any] | None, max_len: int) -> Any:
 
 
 SETTLE = 0.5
+SEMKV = {"provider": "chunks", "semantic_mode": "materialize_exact", "donor_store_bytes": "4GiB"}
 CRITICAL = ("vllm:semkv_scheduler_seconds", "vllm:semkv_save_wait_seconds")
 
 
@@ -86,30 +89,45 @@ def semkv_seconds(llm: Any, names: tuple[str, ...] = CRITICAL) -> float:
     return sum(float(m.sum) for m in llm.get_metrics() if m.name in names and hasattr(m, "sum"))
 
 
-def measure_pair(plain: Any, idle: Any, semkv: Any, prompt: str, rep: int) -> dict[str, Any]:
-    """One repetition: cold, idle and miss on the same fresh prompt (order rotating), then hits."""
-    engines = [("cold", plain), ("idle", idle), ("miss", semkv)]
-    order = engines[rep % 3 :] + engines[: rep % 3]
+def measure_pair(plain: Any, idle: Any, semkv: Any, prompt: str, rep: int,
+                 hit_reps: int = 1, skip_cold: bool = False) -> dict[str, Any]:
+    """One repetition: cold, idle and miss on the same fresh prompt (order rotating), then hits.
+
+    Hits are cheap next to a miss, so ``hit_reps`` pairs of (semkv hit, vLLM hit) are measured
+    on the semkv engine per prompt; ``skip_cold`` measures the miss only (for hit studies).
+    """
+    engines = [("miss", semkv)] if skip_cold else [("cold", plain), ("idle", idle),
+                                                    ("miss", semkv)]
+    order = engines[rep % len(engines) :] + engines[: rep % len(engines)]
     row: dict[str, Any] = {"rep": rep, "order": [name for name, _ in order]}
     spent = semkv_seconds(semkv)
     copied = semkv_seconds(semkv, ("vllm:semkv_save_seconds",))
     info: dict[str, dict[str, Any]] = {}
     for name, llm in order:
         row[name], info[name] = ttft(llm, prompt)
-    cold_info, miss_info = info["cold"], info["miss"]
+    miss_info = info["miss"]
     # The miss's background save is waited for (if still running) and counted in the next step
     # on the semkv engine, the hit below; so the window runs to the end of that hit and also
     # holds the hit's own (small) scheduler time: an upper bound on the miss's share.
-    row["tokens"] = cold_info["prompt_tokens"]
+    row["tokens"] = miss_info["prompt_tokens"]
     row["miss_provenance"] = miss_info.get("provenance")
-    row["plain_vllm_hit"], _ = ttft(plain, prompt)
-    semkv.reset_prefix_cache()
-    row["semkv_hit"], summary = ttft(semkv, prompt)
-    row["miss_semkv_seconds"] = semkv_seconds(semkv) - spent
-    row["miss_save_bg_seconds"] = semkv_seconds(semkv, ("vllm:semkv_save_seconds",)) - copied
-    row["semkv_reused_tokens"] = summary.get("external_tokens", 0)
-    row["semkv_provenance"] = summary.get("provenance")
-    row["vllm_hit"], _ = ttft(semkv, prompt)
+    if not skip_cold:
+        row["plain_vllm_hit"], _ = ttft(plain, prompt)
+    row["semkv_hits"], row["vllm_hits"], row["load_seconds"] = [], [], []
+    for i in range(hit_reps):
+        semkv.reset_prefix_cache()
+        loading = semkv_seconds(semkv, ("vllm:semkv_load_seconds",))
+        hit, summary = ttft(semkv, prompt)
+        row["semkv_hits"].append(hit)
+        row["load_seconds"].append(semkv_seconds(semkv, ("vllm:semkv_load_seconds",)) - loading)
+        if i == 0:
+            row["miss_semkv_seconds"] = semkv_seconds(semkv) - spent
+            row["miss_save_bg_seconds"] = (
+                semkv_seconds(semkv, ("vllm:semkv_save_seconds",)) - copied)
+            row["semkv_reused_tokens"] = summary.get("external_tokens", 0)
+            row["semkv_provenance"] = summary.get("provenance")
+        row["vllm_hits"].append(ttft(semkv, prompt)[0])
+    row["semkv_hit"], row["vllm_hit"] = row["semkv_hits"][0], row["vllm_hits"][0]
     return row
 
 
@@ -123,6 +141,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--settle", type=float, default=SETTLE,
                         help="seconds to pause after every measurement")
+    parser.add_argument("--hit-reps", type=int, default=1,
+                        help="(semkv hit, vLLM hit) pairs measured per prompt")
+    parser.add_argument("--skip-cold", action="store_true",
+                        help="measure the miss and the hits only (no cold / idle engines)")
+    parser.add_argument("--semkv-first", action="store_true",
+                        help="build the semkv engine first (default: plain, idle, semkv)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/exact_ttft.json"))
     args = parser.parse_args()
     SETTLE = args.settle
@@ -133,40 +157,61 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(str(ensure_model()))
     max_len = max(args.lengths) + 256
     prompts = {n: prompts_of_length(tok, n, args.reps, "t") for n in args.lengths}
-    results: dict[str, Any] = {"lengths": args.lengths, "reps": args.reps, "rows": {}}
-    plain = build(None, max_len)
-    idle = build({"semantic_mode": "disabled"}, max_len)
-    semkv = build({"provider": "chunks", "semantic_mode": "materialize_exact",
-                   "donor_store_bytes": "4GiB"}, max_len)
-    for llm in (plain, idle, semkv):
+    results: dict[str, Any] = {"lengths": args.lengths, "reps": args.reps,
+                               "hit_reps": args.hit_reps, "skip_cold": args.skip_cold,
+                               "semkv_first": args.semkv_first, "rows": {}}
+    # NOTE: the order engines are built in biases them (~10 % at 1K on this machine, the last
+    # one slowest): --semkv-first reverses it, so the two orders together counterbalance it.
+    configs = {"plain": None, "idle": {"semantic_mode": "disabled"}, "semkv": SEMKV}
+    names = ["semkv"] if args.skip_cold else ["plain", "idle", "semkv"]
+    if args.semkv_first:
+        names.reverse()
+    engines = {name: build(configs[name], max_len) for name in names}
+    plain, idle, semkv = engines.get("plain"), engines.get("idle"), engines["semkv"]
+    for llm in engines.values():
         ttft(llm, "warm-up prompt: the engine's first forward is always cold")
     for n in args.lengths:
-        results["rows"][n] = [measure_pair(plain, idle, semkv, p, rep)
-                              for rep, p in enumerate(prompts[n])]
+        results["rows"][n] = [measure_pair(plain, idle, semkv, p, rep, args.hit_reps,
+                                           args.skip_cold) for rep, p in enumerate(prompts[n])]
 
     med = statistics.median
     print(f"{'tokens':>7} {'cold s':>8} {'miss s':>8} {'vllm hit':>9} {'semkv hit':>10} "
           f"{'miss/cold':>10} {'idle/cold':>10} {'miss/idle':>10} {'semkv share':>12} "
-          f"{'semkv/vllm hit':>15} {'cold/semkv':>11}")
+          f"{'semkv/vllm hit':>15} {'paired':>7} {'load s':>7} {'cold/semkv':>11}")
     summary = {}
     for n in args.lengths:
         rows = results["rows"][n]
-        row = {k: med(r[k] for r in rows) for k in ("cold", "miss", "vllm_hit", "semkv_hit",
-                                                    "plain_vllm_hit")}
-        row["miss_over_cold_paired_median"] = med(r["miss"] / r["cold"] for r in rows)
-        row["idle_over_cold_paired_median"] = med(r["idle"] / r["cold"] for r in rows)
-        row["miss_over_idle_paired_median"] = med(r["miss"] / r["idle"] for r in rows)
+        keys = ["miss", "vllm_hit", "semkv_hit"] + ([] if args.skip_cold else
+                                                    ["cold", "plain_vllm_hit"])
+        row: dict[str, Any] = {k: med(r[k] for r in rows) for k in keys}
+        pairs = [s / v for r in rows for s, v in zip(r["semkv_hits"], r["vllm_hits"],
+                                                      strict=True)]
+        row["semkv_hit_over_vllm_hit_paired_median"] = med(pairs)
+        row["hit_pairs"] = len(pairs)
+        row["semkv_hits_median"] = med(h for r in rows for h in r["semkv_hits"])
+        row["vllm_hits_median"] = med(h for r in rows for h in r["vllm_hits"])
+        row["load_seconds_median"] = med(x for r in rows for x in r["load_seconds"])
         row["semkv_share_of_miss"] = med(r["miss_semkv_seconds"] / r["miss"] for r in rows)
         row["save_bg_seconds"] = med(r["miss_save_bg_seconds"] for r in rows)
-        row["miss_over_cold"] = row["miss"] / row["cold"]
         row["semkv_hit_over_vllm_hit"] = row["semkv_hit"] / row["vllm_hit"]
-        row["cold_over_semkv_hit"] = row["cold"] / row["semkv_hit"]
+        if not args.skip_cold:
+            row["miss_over_cold_paired_median"] = med(r["miss"] / r["cold"] for r in rows)
+            row["idle_over_cold_paired_median"] = med(r["idle"] / r["cold"] for r in rows)
+            row["miss_over_idle_paired_median"] = med(r["miss"] / r["idle"] for r in rows)
+            row["miss_over_cold"] = row["miss"] / row["cold"]
+            row["cold_over_semkv_hit"] = row["cold"] / row["semkv_hit"]
         summary[n] = row
-        print(f"{n:>7} {row['cold']:>8.3f} {row['miss']:>8.3f} {row['vllm_hit']:>9.3f} "
-              f"{row['semkv_hit']:>10.3f} {row['miss_over_cold_paired_median']:>10.3f} "
-              f"{row['idle_over_cold_paired_median']:>10.3f} "
-              f"{row['miss_over_idle_paired_median']:>10.3f} {row['semkv_share_of_miss']:>12.4f} "
-              f"{row['semkv_hit_over_vllm_hit']:>15.3f} {row['cold_over_semkv_hit']:>11.1f}")
+
+        def f(key: str, fmt: str, width: int, row: dict[str, Any] = row) -> str:
+            return f"{row[key]:>{width}{fmt}}" if key in row else f"{'-':>{width}}"
+
+        print(f"{n:>7} {f('cold', '.3f', 8)} {row['miss']:>8.3f} {row['vllm_hit']:>9.3f} "
+              f"{row['semkv_hit']:>10.3f} {f('miss_over_cold_paired_median', '.3f', 10)} "
+              f"{f('idle_over_cold_paired_median', '.3f', 10)} "
+              f"{f('miss_over_idle_paired_median', '.3f', 10)} "
+              f"{row['semkv_share_of_miss']:>12.4f} {row['semkv_hit_over_vllm_hit']:>15.3f} "
+              f"{row['semkv_hit_over_vllm_hit_paired_median']:>7.3f} "
+              f"{row['load_seconds_median']:>7.3f} {f('cold_over_semkv_hit', '.1f', 11)}")
     results["summary"] = summary
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
