@@ -115,9 +115,8 @@ PRESETS: dict[str, BenchConfig] = {
               "materialize_semantic:minhash", "wrong_donor"),
         kinds=_QUICK_KINDS, clusters_per_type=1, target_tokens=640, max_tokens=16,
         concurrency=1),
-    # Every cluster kind, both peer providers, a throughput phase at concurrency 4. Estimated
-    # 20-30 minutes on an idle 2-core machine (a 768-token prefill takes ~4 s on one core);
-    # not yet run to completion (docs/bench.md).
+    # Every cluster kind, both peer providers, a throughput phase at concurrency 4: 2,106 s on
+    # the 2-core machine (docs/bench.md has its results).
     "full": BenchConfig(
         preset="full",
         arms=("disabled", "discovery_only:chunks", "discovery_only:minhash",
