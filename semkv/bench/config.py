@@ -55,6 +55,9 @@ ARMS: dict[str, Arm] = {
         _arm("materialize_semantic:semblend", "materialize_semantic", "semblend",
              semantic_tiers=_SEMANTIC_TIERS, lookup_timeout_ms=5000.0,
              provider_config={"embedder": "minilm"}),
+        # The built-in embedding-ANN provider (MiniLM + faiss), same gates and lookup budget.
+        _arm("materialize_semantic:embedding", "materialize_semantic", "embedding",
+             semantic_tiers=_SEMANTIC_TIERS, lookup_timeout_ms=5000.0),
         _arm("materialize_semantic:semblend-jaccard", "materialize_semantic", "semblend",
              semantic_tiers=_SEMANTIC_TIERS, provider_config={"embedder": "jaccard"}),
         # Control: MinHash with an LSH threshold so low that any shared shingle (the chat
