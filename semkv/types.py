@@ -30,6 +30,11 @@ class Mode(_StrEnum):
     MATERIALIZE_EXACT = "materialize_exact"  # load token-identical spans only
     MATERIALIZE_SEMANTIC = "materialize_semantic"  # also non-identical spans, request-only
 
+    @property
+    def materializes(self) -> bool:
+        """Does this mode load donor KV (and so keep a donor store)?"""
+        return self in (Mode.MATERIALIZE_EXACT, Mode.MATERIALIZE_SEMANTIC)
+
 
 class QualityTier(_StrEnum):
     """What the reused span is, relative to the target's own tokens."""

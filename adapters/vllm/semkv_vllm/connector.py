@@ -124,7 +124,7 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
 
             init_cpu_amx()
             self._shared.register_kv_caches(kv_caches)
-        elif self.config.semantic_mode in (Mode.MATERIALIZE_EXACT, Mode.MATERIALIZE_SEMANTIC):
+        elif self.config.semantic_mode.materializes:
             self._worker.register_kv_caches(kv_caches)
         if self._semantic:
             self._worker.layout = probe_layout(self._vllm_config, kv_caches)

@@ -32,7 +32,7 @@ def store_geometry(config: SemkvConfig, kv_cache_config: KVCacheConfig) -> tuple
         for group in kv_cache_config.kv_cache_groups
     )
     slots = int(config.donor_store_bytes) // max(per_slot, 1)
-    if config.semantic_mode in (Mode.MATERIALIZE_EXACT, Mode.MATERIALIZE_SEMANTIC) and slots < 1:
+    if config.semantic_mode.materializes and slots < 1:
         raise ValueError(
             f"donor_store_bytes={int(config.donor_store_bytes)} holds no block "
             f"(one block of every layer takes {per_slot} bytes)"

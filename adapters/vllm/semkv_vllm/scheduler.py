@@ -44,7 +44,6 @@ from semkv.types import (
     CachePolicy,
     Candidate,
     FallbackReason,
-    Mode,
     QualityTier,
     SemanticKVMatch,
 )
@@ -78,8 +77,7 @@ class SchedulerSide:
         self.shared_lookup = shared_lookup
         self.async_load = config.async_load or shared_lookup is not None
         self.shared_donors: dict[str, DonorView] = {}
-        self.materialize = config.semantic_mode in (Mode.MATERIALIZE_EXACT,
-                                                    Mode.MATERIALIZE_SEMANTIC)
+        self.materialize = config.semantic_mode.materializes
         self.index = StoreIndex(num_slots)
         self.leases = LeaseTable()
         self.admission = Admission(config, block_size)
