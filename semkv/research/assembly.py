@@ -2,10 +2,12 @@
 
 Protocol:
 
-1. ``plan_reuse(target, donors)`` maps the whole target against every donor with
-   ``semkv.span_map.map_tokens`` (runs continue, anchors of 8 tokens jump to shifted copies),
-   then, per target chunk of ``chunk_tokens``, keeps the donor with the most identical tokens in
-   that chunk: one donor per chunk, several donors per target (reordered or mixed sources).
+1. ``plan_reuse(target, donors)`` takes its decision from ``semkv.span_plan.decide_reuse``, the
+   one the engine's span plans use (so both reuse the same positions): it maps the whole target
+   against every donor with ``semkv.span_map.map_tokens`` (runs continue, anchors of 8 tokens
+   jump to shifted copies), then, per target chunk of ``chunk_tokens``, keeps the donor with
+   the most identical tokens in that chunk: one donor per chunk, several donors per target
+   (reordered or mixed sources).
 2. A position is *reused* when its mapped donor token is identical (or any mapped token, with
    ``reuse_mismatched``, the semantic approximation), it lies in a run of at least
    ``min_run_tokens`` such positions served by consecutive positions of one donor (isolated
@@ -25,12 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
+from semkv.realize import KVCache, LayerRunner
 from semkv.research.donors import DEFAULT_CHUNK_TOKENS, DonorStore
-from semkv.research.layers import KVCache, LayerwiseModel
-from semkv.span_map import DEFAULT_ANCHOR_TOKENS, map_tokens
+from semkv.span_map import DEFAULT_ANCHOR_TOKENS
+from semkv.span_plan import DEFAULT_MIN_RUN_TOKENS, NO_SOURCE, decide_reuse
 
-DEFAULT_MIN_RUN_TOKENS = 4
-NO_SOURCE = -1
+__all__ = ["DEFAULT_MIN_RUN_TOKENS", "NO_SOURCE", "ReusePlan", "Segment", "assemble",
+           "plan_reuse", "rank_donors"]
 
 
 @dataclass(frozen=True)
@@ -85,28 +88,6 @@ class ReusePlan:
                 "mismatched_reused": self.mismatched_reused_tokens, "donors": self.donors_used()}
 
 
-def _runs(
-    target_len: int, donor_ids: Sequence[str | None], positions: Sequence[int],
-    usable: Sequence[bool], min_run: int,
-) -> tuple[Segment, ...]:
-    segments: list[Segment] = []
-    p = 0
-    while p < target_len:
-        donor = donor_ids[p]
-        if not usable[p] or donor is None:
-            p += 1
-            continue
-        start = p
-        while (p + 1 < target_len and usable[p + 1] and donor_ids[p + 1] == donor
-               and positions[p + 1] == positions[p] + 1):
-            p += 1
-        length = p - start + 1
-        if length >= min_run:
-            segments.append(Segment(start, donor, positions[start], length))
-        p += 1
-    return tuple(segments)
-
-
 def plan_reuse(
     target: Sequence[int],
     donors: Mapping[str, Sequence[int]],
@@ -117,31 +98,14 @@ def plan_reuse(
     anchor_tokens: int = DEFAULT_ANCHOR_TOKENS,
 ) -> ReusePlan:
     """The reuse plan of ``target`` from ``donors`` (best donor per chunk; ties: first given)."""
-    if chunk_tokens < 1:
-        raise ValueError("chunk_tokens must be positive")
-    n = len(target)
-    maps = {d: map_tokens(target, ids, 0, n, anchor_tokens=anchor_tokens)
-            for d, ids in donors.items()}
-    donor_ids: list[str | None] = [None] * n
-    positions = [NO_SOURCE] * n
-    identical = [False] * n
-    for start in range(0, n, chunk_tokens):
-        end = min(start + chunk_tokens, n)
-        best: str | None = None
-        best_score = -1
-        for donor, (_, same) in maps.items():
-            score = sum(same[start:end])
-            if score > best_score:
-                best, best_score = donor, score
-        if best is None:
-            continue
-        sources, same = maps[best]
-        for p in range(start, min(end, len(sources))):  # the map may stop at the donor's end
-            donor_ids[p], positions[p], identical[p] = best, sources[p], same[p]
-    usable = [(identical[p] or (reuse_mismatched and donor_ids[p] is not None)) and p != n - 1
-              for p in range(n)]
-    segments = _runs(n, donor_ids, positions, usable, max(1, min_run_tokens))
-    return ReusePlan(n, tuple(donor_ids), tuple(positions), tuple(identical), segments)
+    # The decision itself lives in the core, so the engine's span plans reuse the same positions.
+    decision = decide_reuse(target, donors, chunk_tokens=chunk_tokens,
+                            min_run_tokens=min_run_tokens, anchor_tokens=anchor_tokens,
+                            reuse_mismatched=reuse_mismatched)
+    segments = tuple(Segment(run.target_start, run.donor_id, run.donor_start, run.length)
+                     for run in decision.runs if run.donor_id is not None)
+    return ReusePlan(len(target), decision.donor_ids, decision.positions, decision.identical,
+                     segments)
 
 
 def rank_donors(
@@ -157,7 +121,7 @@ def rank_donors(
 
 
 def assemble(
-    plan: ReusePlan, store: DonorStore, lm: LayerwiseModel, *,
+    plan: ReusePlan, store: DonorStore, lm: LayerRunner, *,
     capacity: int | None = None, rotate: bool = True,
 ) -> KVCache:
     """A cache holding every reused position's donor KV, keys moved to the target position.

@@ -9,6 +9,9 @@ cache holds: reused, re-rotated donor KV. With every position computed this is a
 (``tests/test_research.py`` checks it against the model's own forward), and decoding is the same
 call for one new position.
 
+``LayerwiseModel`` implements ``semkv.realize.LayerRunner``; the vLLM adapter's
+``semkv_vllm.models`` implements the same protocol over the serving engine's loaded model.
+
 The math is the model's own: its modules (norms, projections, MLP), its rotary embedding and
 transformers' ``apply_rotary_pos_emb`` / ``repeat_kv``; only the attention is spelled out (as
 transformers' eager attention) because the queries are a subset of the keys.
@@ -19,30 +22,18 @@ NOTE: weights, prompts and KV stay in memory; nothing here logs or writes them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from semkv.realize.cache import KVCache
 from semkv.research.rope import RopeRotator
 
+# KVCache lives in semkv.realize (shared with the engine's layer runner); re-exported here.
+__all__ = ["SUPPORTED_MODEL_TYPES", "KVCache", "LayerwiseModel"]
+
 SUPPORTED_MODEL_TYPES = frozenset({"llama"})
-
-
-@dataclass
-class KVCache:
-    """Per layer keys and values ``[1, kv_heads, capacity, head_dim]`` (keys post-RoPE)."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-
-    @property
-    def capacity(self) -> int:
-        return int(self.keys[0].shape[2])
-
-    def clone(self) -> KVCache:
-        return KVCache([k.clone() for k in self.keys], [v.clone() for v in self.values])
 
 
 class LayerwiseModel:
@@ -80,10 +71,8 @@ class LayerwiseModel:
     # -- building blocks --------------------------------------------------------------------
 
     def empty_cache(self, capacity: int) -> KVCache:
-        shape = (1, self.kv_heads, capacity, self.head_dim)
-        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                for _ in range(self.num_layers)]
-        return KVCache(keys, [torch.zeros_like(k) for k in keys])
+        return KVCache.zeros(self.num_layers, self.kv_heads, self.head_dim, capacity,
+                             self.dtype, self.device)
 
     def embed(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)

@@ -1,7 +1,8 @@
 """Recompute strategies: which prompt tokens to compute fresh on top of the assembled cache.
 
 Protocol: ``prefill(lm, target, plan, store, strategy)`` assembles the target's cache from the
-plan (reused positions, re-rotated) and computes, through ``LayerwiseModel.run_layers``, every
+plan (reused positions, re-rotated) and computes, through ``lm.run_layers`` (any
+``semkv.realize.LayerRunner``: research's ``LayerwiseModel`` or the engine's layer runner), every
 position the plan does not reuse (always including the last prompt token) plus what the
 strategy adds:
 
@@ -28,9 +29,9 @@ from enum import Enum
 
 import torch
 
+from semkv.realize import KVCache, LayerRunner
 from semkv.research.assembly import ReusePlan, assemble
 from semkv.research.donors import DonorStore
-from semkv.research.layers import KVCache, LayerwiseModel
 
 DEFAULT_PROBE_LAYERS = 2
 
@@ -122,7 +123,7 @@ def _deviation(fresh: KVCache, reused_k: list[torch.Tensor], reused_v: list[torc
 Passes = list[tuple[range, list[int]]]  # (layers, positions computed in them)
 
 
-def _blend(lm: LayerwiseModel, target: Sequence[int], plan: ReusePlan, cache: KVCache,
+def _blend(lm: LayerRunner, target: Sequence[int], plan: ReusePlan, cache: KVCache,
            strategy: Strategy, mandatory: set[int]) -> tuple[torch.Tensor, Passes]:
     n = plan.num_tokens
     probe = min(strategy.probe_layers, lm.num_layers)
@@ -145,7 +146,7 @@ def _blend(lm: LayerwiseModel, target: Sequence[int], plan: ReusePlan, cache: KV
 
 
 def prefill(
-    lm: LayerwiseModel, target: Sequence[int], plan: ReusePlan, store: DonorStore,
+    lm: LayerRunner, target: Sequence[int], plan: ReusePlan, store: DonorStore,
     strategy: Strategy, *, capacity: int | None = None, rotate: bool = True,
 ) -> PrefillResult:
     """The target's prompt cache and next-token logits under ``strategy``."""
