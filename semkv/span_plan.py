@@ -1,0 +1,268 @@
+"""Segmented, multi-donor plans for one external span: which donor fills which target tokens.
+
+vLLM gives a request one external span, ``[local_tokens, span_tokens)`` after its local exact
+prefix. Inside it the worker realizes the target's own KV segment by segment (DESIGN.md,
+"Non-prefix reuse inside one external span")::
+
+    | local exact prefix | copy(d1, shifted) gap copy(d2) gap ... | computed tail |
+    0                    local_tokens                  span_tokens         len(target)
+
+Protocol:
+
+1. ``decide_reuse(target, donors)`` is THE reuse decision, shared by the engine and by
+   ``semkv.research.assembly.plan_reuse`` so that both reuse the same positions: the whole
+   target is mapped against every donor with ``semkv.span_map.map_tokens``; per target chunk
+   of ``chunk_tokens`` the donor with the most identical tokens serves the chunk (ties: the
+   first donor given); a position is reusable when its mapped donor token is identical (or
+   mapped at all, with ``reuse_mismatched``, research only) and it is not the last prompt
+   token; reusable positions served by consecutive positions of one donor form runs, kept
+   when at least ``min_run_tokens`` long (isolated coincidental matches are not worth a load).
+2. ``plan_span(target, donors, local_tokens=..., block_size=...)`` (scheduler side, identical
+   tokens only) clips those runs to the span: it starts at the local exact prefix and ends at
+   the last block boundary before the last prompt token (vLLM always computes that token; its
+   logits start the generation). Every span position no run serves is a gap, computed through
+   the model. None when fewer than ``min_copied_tokens`` tokens would be copied.
+3. The ``SpanPlan`` crosses to the worker, which copies each donor segment (keys re-rotated by
+   ``target_start - donor_start``) and computes each gap.
+
+NOTE: plans hold positions, lengths and donor ids only, never token ids: safe to log and to
+send across processes (JSON and pickle). Pure Python: no torch, no vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from semkv.span_map import DEFAULT_ANCHOR_TOKENS, map_tokens
+
+DEFAULT_CHUNK_TOKENS = 64  # the same default as semkv.research.donors.DEFAULT_CHUNK_TOKENS
+DEFAULT_MIN_RUN_TOKENS = 4
+NO_SOURCE = -1  # donor position of a target position that no donor maps
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class SpanSegment(_Frozen):
+    """Target ``[target_start, target_start + length)``: copied from a donor, or a gap.
+
+    A copied segment reads the donor's positions ``[donor_start, donor_start + length)``
+    (identical tokens); a gap (``donor_id=None``, ``donor_start=0``) is computed.
+    """
+
+    target_start: int = Field(ge=0)
+    length: int = Field(gt=0)
+    donor_id: str | None = Field(default=None, min_length=1)
+    donor_start: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _gap_has_no_donor_offset(self) -> SpanSegment:
+        if self.donor_id is None and self.donor_start != 0:
+            raise ValueError("a gap segment has donor_start 0")
+        return self
+
+    @property
+    def end(self) -> int:
+        return self.target_start + self.length
+
+    @property
+    def is_gap(self) -> bool:
+        return self.donor_id is None
+
+    @property
+    def shifted(self) -> bool:
+        """Copied from another position: keys need re-rotation by ``target_start - donor_start``."""
+        return self.donor_id is not None and self.donor_start != self.target_start
+
+
+class SpanPlan(_Frozen):
+    """How the worker realizes the external span ``[local_tokens, span_tokens)``."""
+
+    block_size: int = Field(gt=0)
+    local_tokens: int = Field(ge=0)
+    span_tokens: int = Field(gt=0)  # the span's end: a block boundary
+    segments: tuple[SpanSegment, ...] = Field(min_length=1)  # in target order, contiguous
+
+    @model_validator(mode="after")
+    def _covers_the_span(self) -> SpanPlan:
+        bs = self.block_size
+        if self.local_tokens % bs or self.span_tokens % bs:
+            raise ValueError(
+                f"local_tokens ({self.local_tokens}) and span_tokens ({self.span_tokens}) must "
+                f"be multiples of block_size ({bs})")
+        if self.span_tokens <= self.local_tokens:
+            raise ValueError(
+                f"span_tokens ({self.span_tokens}) must exceed local_tokens ({self.local_tokens})")
+        at = self.local_tokens
+        for i, seg in enumerate(self.segments):
+            if seg.target_start != at:
+                problem = "overlaps the previous one" if seg.target_start < at else "leaves a hole"
+                raise ValueError(
+                    f"segment {i} starts at {seg.target_start}, expected {at}: it {problem}")
+            at = seg.end
+        if at != self.span_tokens:
+            raise ValueError(f"segments end at {at}, not at span_tokens ({self.span_tokens})")
+        return self
+
+    @property
+    def num_tokens(self) -> int:
+        return self.span_tokens - self.local_tokens
+
+    @property
+    def copied_tokens(self) -> int:
+        return sum(s.length for s in self.segments if not s.is_gap)
+
+    @property
+    def shifted_tokens(self) -> int:
+        return sum(s.length for s in self.segments if s.shifted)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Gap tokens inside the span (the tail after ``span_tokens`` is not counted)."""
+        return sum(s.length for s in self.segments if s.is_gap)
+
+    @property
+    def donors(self) -> tuple[str, ...]:
+        """The donors copied from, in order of first use."""
+        return tuple(dict.fromkeys(s.donor_id for s in self.segments if s.donor_id is not None))
+
+    def summary(self) -> dict[str, int]:
+        """Counts only (safe to log)."""
+        return {"local": self.local_tokens, "span": self.span_tokens,
+                "copied": self.copied_tokens, "shifted": self.shifted_tokens,
+                "computed": self.computed_tokens, "donors": len(self.donors),
+                "segments": len(self.segments)}
+
+
+@dataclass(frozen=True)
+class ReuseDecision:
+    """Per target position: the serving donor (None), its position (NO_SOURCE), identity."""
+
+    donor_ids: tuple[str | None, ...]
+    positions: tuple[int, ...]
+    identical: tuple[bool, ...]
+    runs: tuple[SpanSegment, ...]  # the reused positions, as copied segments in target order
+
+
+def _best_donor_per_chunk(
+    n: int, maps: Mapping[str, tuple[list[int], list[bool]]], chunk_tokens: int,
+) -> tuple[list[str | None], list[int], list[bool]]:
+    donor_ids: list[str | None] = [None] * n
+    positions = [NO_SOURCE] * n
+    identical = [False] * n
+    for start in range(0, n, chunk_tokens):
+        end = min(start + chunk_tokens, n)
+        best: str | None = None
+        best_score = -1
+        for donor, (_, same) in maps.items():
+            score = sum(same[start:end])
+            if score > best_score:  # strictly better: ties keep the first donor given
+                best, best_score = donor, score
+        if best is None:
+            continue
+        sources, same = maps[best]
+        for p in range(start, min(end, len(sources))):  # the map may stop at the donor's end
+            donor_ids[p], positions[p], identical[p] = best, sources[p], same[p]
+    return donor_ids, positions, identical
+
+
+def _runs(
+    donor_ids: Sequence[str | None], positions: Sequence[int], usable: Sequence[bool],
+    min_run: int,
+) -> tuple[SpanSegment, ...]:
+    runs: list[SpanSegment] = []
+    n, p = len(usable), 0
+    while p < n:
+        donor = donor_ids[p]
+        if not usable[p] or donor is None:
+            p += 1
+            continue
+        start = p
+        while (p + 1 < n and usable[p + 1] and donor_ids[p + 1] == donor
+               and positions[p + 1] == positions[p] + 1):
+            p += 1
+        if p - start + 1 >= min_run:
+            runs.append(SpanSegment(target_start=start, length=p - start + 1, donor_id=donor,
+                                    donor_start=positions[start]))
+        p += 1
+    return tuple(runs)
+
+
+def decide_reuse(
+    target: Sequence[int],
+    donors: Mapping[str, Sequence[int]],
+    *,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    min_run_tokens: int = DEFAULT_MIN_RUN_TOKENS,
+    anchor_tokens: int = DEFAULT_ANCHOR_TOKENS,
+    reuse_mismatched: bool = False,
+) -> ReuseDecision:
+    """Which donor position serves each target position, and the runs worth copying (step 1)."""
+    if chunk_tokens < 1:
+        raise ValueError("chunk_tokens must be positive")
+    n = len(target)
+    maps = {d: map_tokens(target, ids, 0, n, anchor_tokens=anchor_tokens)
+            for d, ids in donors.items()}
+    donor_ids, positions, identical = _best_donor_per_chunk(n, maps, chunk_tokens)
+    # The last prompt token is never reused: its logits start the generation.
+    usable = [(identical[p] or (reuse_mismatched and donor_ids[p] is not None)) and p != n - 1
+              for p in range(n)]
+    runs = _runs(donor_ids, positions, usable, max(1, min_run_tokens))
+    return ReuseDecision(tuple(donor_ids), tuple(positions), tuple(identical), runs)
+
+
+def span_end(num_tokens: int, local_tokens: int, block_size: int,
+             max_span_tokens: int | None = None) -> int:
+    """The span's end: the last block boundary before the last prompt token, capped."""
+    end = num_tokens - 1
+    if max_span_tokens is not None:
+        end = min(end, local_tokens + max_span_tokens)
+    return max(local_tokens, end - end % block_size)
+
+
+def plan_span(
+    target_ids: Sequence[int],
+    donors: Mapping[str, Sequence[int]],
+    *,
+    local_tokens: int,
+    block_size: int,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    min_run_tokens: int = DEFAULT_MIN_RUN_TOKENS,
+    min_copied_tokens: int = 1,
+    max_span_tokens: int | None = None,
+    anchor_tokens: int = DEFAULT_ANCHOR_TOKENS,
+) -> SpanPlan | None:
+    """The segmented plan of the target's external span (identical tokens only), or None.
+
+    ``donors`` maps donor id -> the donor tokens whose KV can be served. ``max_span_tokens``
+    caps the span's length after ``local_tokens`` (the full-prompt cap of admission).
+    """
+    if block_size <= 0 or local_tokens < 0 or local_tokens % block_size:
+        raise ValueError("local_tokens must be a non-negative multiple of a positive block_size")
+    end = span_end(len(target_ids), local_tokens, block_size, max_span_tokens)
+    if end <= local_tokens or not donors:
+        return None
+    decision = decide_reuse(target_ids, donors, chunk_tokens=chunk_tokens,
+                            min_run_tokens=min_run_tokens, anchor_tokens=anchor_tokens)
+    segments: list[SpanSegment] = []
+    at = local_tokens
+    for run in decision.runs:
+        # Runs are decided on the whole target, then clipped to the span, so the engine reuses
+        # exactly the positions research reuses inside [local_tokens, end).
+        lo, hi = max(run.target_start, at), min(run.end, end)
+        if hi <= lo:
+            continue
+        if lo > at:
+            segments.append(SpanSegment(target_start=at, length=lo - at))
+        segments.append(SpanSegment(target_start=lo, length=hi - lo, donor_id=run.donor_id,
+                                    donor_start=run.donor_start + lo - run.target_start))
+        at = hi
+    if at < end:
+        segments.append(SpanSegment(target_start=at, length=end - at))
+    plan = SpanPlan(block_size=block_size, local_tokens=local_tokens, span_tokens=end,
+                    segments=tuple(segments))
+    return plan if plan.copied_tokens >= max(1, min_copied_tokens) else None
