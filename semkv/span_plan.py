@@ -11,12 +11,14 @@ Protocol:
 
 1. ``decide_reuse(target, donors)`` is THE reuse decision, shared by the engine and by
    ``semkv.research.assembly.plan_reuse`` so that both reuse the same positions: the whole
-   target is mapped against every donor with ``semkv.span_map.map_tokens``; per target chunk
-   of ``chunk_tokens`` the donor with the most identical tokens serves the chunk (ties: the
-   first donor given); a position is reusable when its mapped donor token is identical (or
-   mapped at all, with ``reuse_mismatched``, research only) and it is not the last prompt
-   token; reusable positions served by consecutive positions of one donor form runs, kept
-   when at least ``min_run_tokens`` long (isolated coincidental matches are not worth a load).
+   target is mapped against every donor with ``semkv.span_map.map_tokens`` (continued where
+   that walk runs off a short donor, so its passage is found even late in the target); per
+   target chunk of ``chunk_tokens`` the donor with the most identical tokens serves the chunk
+   (ties: the first donor given); a position is reusable when its mapped donor token is
+   identical (or mapped at all, with ``reuse_mismatched``, research only) and it is not the
+   last prompt token; reusable positions served by consecutive positions of one donor form
+   runs, kept when at least ``min_run_tokens`` long (isolated coincidences are not worth a
+   load).
 2. ``plan_span(target, donors, local_tokens=..., block_size=...)`` (scheduler side, identical
    tokens only) clips those runs to the span: it starts at the local exact prefix and ends at
    the last block boundary before the last prompt token (vLLM always computes that token; its
@@ -148,6 +150,41 @@ class ReuseDecision:
     runs: tuple[SpanSegment, ...]  # the reused positions, as copied segments in target order
 
 
+def _map_donor(target: Sequence[int], donor: Sequence[int], k: int) -> tuple[list[int], list[bool]]:
+    """``map_tokens`` over the whole target, continued past the point where it ran off the donor.
+
+    ``map_tokens`` stops for good at the first position after its walk passed the donor's end
+    that starts no anchor. A short donor (one passage) whose text comes late in the target
+    (after other donors' passages) would then never be reached; so from there on each target
+    position is looked up again (NO_SOURCE until an anchor matches, then the usual walk).
+    Positions before that point are exactly ``map_tokens``'s.
+    """
+    n = len(target)
+    sources, same = map_tokens(target, donor, 0, n, anchor_tokens=k)
+    if len(sources) == n or not donor:
+        return sources + [NO_SOURCE] * (n - len(sources)), same + [False] * (n - len(same))
+    k = max(1, k)
+    anchors: dict[tuple[int, ...], int] = {}
+    for i in range(len(donor) - k + 1):
+        anchors.setdefault(tuple(donor[i: i + k]), i)  # first occurrence, as map_tokens
+    last, q = len(donor) - 1, -1  # q = -1: off the donor, waiting for an anchor
+    for p in range(len(sources), n):
+        nxt = q + 1 if q >= 0 else -1
+        if not 0 <= nxt <= last or donor[nxt] != target[p]:
+            jump = anchors.get(tuple(target[p: p + k])) if p + k <= n else None
+            if jump is not None:
+                nxt = jump
+            elif not 0 <= nxt <= last:
+                q = -1
+                sources.append(NO_SOURCE)
+                same.append(False)
+                continue
+        q = nxt
+        sources.append(q)
+        same.append(donor[q] == target[p])
+    return sources, same
+
+
 def _best_donor_per_chunk(
     n: int, maps: Mapping[str, tuple[list[int], list[bool]]], chunk_tokens: int,
 ) -> tuple[list[str | None], list[int], list[bool]]:
@@ -165,8 +202,9 @@ def _best_donor_per_chunk(
         if best is None:
             continue
         sources, same = maps[best]
-        for p in range(start, min(end, len(sources))):  # the map may stop at the donor's end
-            donor_ids[p], positions[p], identical[p] = best, sources[p], same[p]
+        for p in range(start, end):
+            if sources[p] != NO_SOURCE:  # unmapped stays None: no KV serves that position
+                donor_ids[p], positions[p], identical[p] = best, sources[p], same[p]
     return donor_ids, positions, identical
 
 
@@ -205,8 +243,7 @@ def decide_reuse(
     if chunk_tokens < 1:
         raise ValueError("chunk_tokens must be positive")
     n = len(target)
-    maps = {d: map_tokens(target, ids, 0, n, anchor_tokens=anchor_tokens)
-            for d, ids in donors.items()}
+    maps = {d: _map_donor(target, ids, anchor_tokens) for d, ids in donors.items()}
     donor_ids, positions, identical = _best_donor_per_chunk(n, maps, chunk_tokens)
     # The last prompt token is never reused: its logits start the generation.
     usable = [(identical[p] or (reuse_mismatched and donor_ids[p] is not None)) and p != n - 1
