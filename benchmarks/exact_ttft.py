@@ -69,9 +69,11 @@ def build(extra: dict[str, Any] | None, max_len: int) -> Any:
     from vllm import LLM
 
     from semkv.bundled_model import ensure_model
+    from semkv.kv_sizing import bundled_kv_cache_bytes
 
     kw: dict[str, Any] = dict(model=str(ensure_model()), dtype="float32",
-                              gpu_memory_utilization=0.12,
+                              kv_cache_memory_bytes=bundled_kv_cache_bytes(
+                                  max_model_len=max_len, max_num_seqs=4),
                               max_model_len=max_len, enable_prefix_caching=True, enforce_eager=True,
                               disable_log_stats=False)  # semkv_seconds reads the metrics
     if extra is not None:

@@ -33,8 +33,11 @@ def build_engine(extra: dict[str, Any], max_len: int) -> Any:
     from vllm import LLM
 
     from semkv.bundled_model import ensure_model
+    from semkv.kv_sizing import bundled_kv_cache_bytes
 
-    return LLM(model=str(ensure_model()), dtype="float32", gpu_memory_utilization=0.2,
+    return LLM(model=str(ensure_model()), dtype="float32",
+               kv_cache_memory_bytes=bundled_kv_cache_bytes(max_model_len=max_len,
+                                                            max_num_seqs=4, block_size=32),
                max_model_len=max_len, block_size=32, enable_prefix_caching=True,
                enforce_eager=True, seed=0,
                scheduler_cls="semkv_vllm.commit_policy.CommitPolicyScheduler",

@@ -67,6 +67,7 @@ class Server:
     def __init__(self, name: str, extra: dict[str, Any] | None, args: argparse.Namespace,
                  log_dir: Path) -> None:
         from semkv.bundled_model import ensure_model
+        from semkv.kv_sizing import bundled_kv_cache_bytes
 
         self.name, self.port = name, _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -75,12 +76,16 @@ class Server:
                "--model", str(ensure_model()), "--served-model-name", "smollm2",
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                "--max-model-len", "4096", "--block-size", "32", "--enforce-eager",
-               "--gpu-memory-utilization", "0.1", "--max-num-seqs", str(args.concurrency),
+               "--kv-cache-memory-bytes", str(bundled_kv_cache_bytes(
+                   max_model_len=4096, max_num_seqs=args.concurrency, block_size=32)),
+               "--max-num-seqs", str(args.concurrency),
                "--enable-prefix-caching" if args.prefix_caching else "--no-enable-prefix-caching"]
         if extra is not None:
             cmd += ["--kv-transfer-config", json.dumps(dict(CONNECTOR,
                                                             kv_connector_extra_config=extra))]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", SEMKV_LOG_LEVEL="INFO")
+        # the soak selects the fault injector on purpose (refused without this opt-in)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", SEMKV_LOG_LEVEL="INFO",
+                   SEMKV_ALLOW_FAULT_INJECTION="1")
         with open(self.log_path, "w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)

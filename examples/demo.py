@@ -56,6 +56,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from semkv.bundled_model import ensure_model
+    from semkv.kv_sizing import bundled_kv_cache_bytes
 
     console = Console(width=max(Console().width, 140))  # keep the table readable in CI logs
     config = {
@@ -66,7 +67,10 @@ def main() -> None:
     }
     console.print(f"[bold]semkv demo[/]: vLLM CPU, SmolLM2-135M, provider={args.provider}, "
                   f"mode={args.mode}")
-    llm = LLM(model=str(ensure_model()), dtype="float32", gpu_memory_utilization=0.3,
+    # KV sized from the run (4 requests of 4,096 tokens), never a fraction of the host
+    llm = LLM(model=str(ensure_model()), dtype="float32",
+              kv_cache_memory_bytes=bundled_kv_cache_bytes(max_model_len=4096, max_num_seqs=4,
+                                                           block_size=128),
               max_model_len=4096, block_size=128, enable_prefix_caching=True, enforce_eager=True,
               kv_transfer_config=config, disable_log_stats=False)
     first = SamplingParams(temperature=0.0, max_tokens=1)

@@ -1,4 +1,4 @@
-"""The ``semkv`` command line: plugins, config, model-path, bench."""
+"""The ``semkv`` command line: plugins, config, model-path, kv-cache-bytes, bench."""
 
 from __future__ import annotations
 
@@ -40,6 +40,39 @@ def _cmd_model_path(_args: argparse.Namespace) -> int:
 
     print(ensure_model())
     return 0
+
+
+def _cmd_kv_cache_bytes(args: argparse.Namespace) -> int:
+    from semkv.kv_sizing import kv_cache_bytes
+
+    if args.model is None:
+        from semkv.bundled_model import ensure_model
+
+        args.model = str(ensure_model())
+    try:
+        print(kv_cache_bytes(args.model, max_model_len=args.max_model_len,
+                             max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+                             dtype=args.kv_dtype))
+    except ValueError as exc:
+        print(f"semkv kv-cache-bytes: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_kv_cache_bytes(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from semkv import kv_sizing
+
+    cmd = sub.add_parser(
+        "kv-cache-bytes",
+        help="bytes of KV cache for --kv-cache-memory-bytes: the model's KV per token x the "
+             "tokens the run keeps (max-num-seqs x max-model-len, whole blocks)")
+    cmd.add_argument("--model", help="model folder with config.json (default: the bundled one)")
+    cmd.add_argument("--max-model-len", type=int, default=kv_sizing.DEFAULT_MAX_MODEL_LEN)
+    cmd.add_argument("--max-num-seqs", type=int, default=kv_sizing.DEFAULT_MAX_NUM_SEQS,
+                     help="requests resident at full length at once")
+    cmd.add_argument("--block-size", type=int, default=kv_sizing.DEFAULT_BLOCK_SIZE)
+    cmd.add_argument("--kv-dtype", default="float32", help="the KV cache's dtype")
+    cmd.set_defaults(func=_cmd_kv_cache_bytes)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -96,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "model-path", help="local folder of the converted bundled model (converts if missing)"
     ).set_defaults(func=_cmd_model_path)
+    _add_kv_cache_bytes(sub)
     _add_bench(sub)
     return parser
 

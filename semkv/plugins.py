@@ -2,6 +2,11 @@
 
 ``SEMKV_LOAD_PLUGINS`` (comma-separated entry-point or distribution names) restricts what
 loads; set it empty to load no external plugin at all.
+
+NOTE: a provider class with ``fault_injection = True`` (``faulty`` of ``semkv.testing``) is
+listed, marked ``testing_only``, but resolving it by name is refused unless
+``SEMKV_ALLOW_FAULT_INJECTION=1`` is set (tests and chaos runs set it): an operator cannot
+put a fault injector in front of real traffic by a typo in the provider name.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from semkv.log import get_logger
 from semkv.provider import DonorProvider
 
 GROUP = "semkv"
+ALLOW_FAULT_INJECTION = "SEMKV_ALLOW_FAULT_INJECTION"
 _lock = threading.Lock()
 _manager: pluggy.PluginManager | None = None
 _dists: dict[str, importlib.metadata.Distribution | None] = {}
@@ -26,6 +32,18 @@ log = get_logger("semkv.plugins")
 
 class UnknownProviderError(LookupError):
     """The configured provider name is not installed."""
+
+
+class TestingOnlyProviderError(UnknownProviderError):
+    """The configured provider injects faults on purpose and fault injection is not allowed."""
+
+
+def testing_only(cls: type[DonorProvider]) -> bool:
+    return bool(getattr(cls, "fault_injection", False))
+
+
+def fault_injection_allowed() -> bool:
+    return os.environ.get(ALLOW_FAULT_INJECTION, "").strip().lower() in ("1", "true", "yes")
 
 
 def _allowed(ep: importlib.metadata.EntryPoint) -> bool:
@@ -83,34 +101,44 @@ def get_provider_class(name: str) -> type[DonorProvider]:
         raise UnknownProviderError(
             f"semkv provider {name!r} is not installed; installed providers: {listed}{broken}"
         )
-    return installed[name]
+    cls = installed[name]
+    if testing_only(cls) and not fault_injection_allowed():
+        raise TestingOnlyProviderError(
+            f"semkv provider {name!r} injects faults on purpose (tests and chaos runs only); "
+            f"set {ALLOW_FAULT_INJECTION}=1 in the engine's environment to select it"
+        )
+    return cls
 
 
-def plugin_versions() -> list[dict[str, str]]:
-    """Installed providers with the plugin and distribution that brought them."""
+def plugin_versions() -> list[dict[str, str | bool]]:
+    """Installed providers with the plugin and distribution that brought them.
+
+    ``testing_only`` marks fault injectors, refused unless ``SEMKV_ALLOW_FAULT_INJECTION=1``.
+    """
     pm = plugin_manager()
     rows = []
     for plugin_name, plugin in pm.list_name_plugin():
         dist = _dists.get(plugin_name)
-        names: list[str] = []
+        names: list[tuple[str, type[DonorProvider]]] = []
 
         def register(cls: type[DonorProvider], name: str | None = None,
-                     into: list[str] = names) -> None:
-            into.append(name or cls.name)
+                     into: list[tuple[str, type[DonorProvider]]] = names) -> None:
+            into.append((name or cls.name, cls))
 
         hook = getattr(plugin, "register_providers", None)  # pluggy hands plugins as objects
         if hook is not None:
             hook(register=register)
-        for provider in names:
+        for provider, cls in names:
             rows.append(
                 {
                     "provider": provider,
                     "plugin": plugin_name,
                     "distribution": dist.name if dist else "",
                     "version": dist.version if dist else "",
+                    "testing_only": testing_only(cls),
                 }
             )
-    return sorted(rows, key=lambda r: r["provider"])
+    return sorted(rows, key=lambda r: str(r["provider"]))
 
 
 def _reset_for_tests() -> None:

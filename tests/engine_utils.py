@@ -19,6 +19,7 @@ CONNECTOR = {
     "kv_load_failure_policy": "recompute",
 }
 BLOCK = 32
+RESIDENT_SEQS = 3
 
 
 @contextlib.contextmanager
@@ -26,15 +27,21 @@ def engine(extra_config: dict[str, Any] | None, **overrides: Any) -> Iterator[An
     from vllm import LLM
 
     from semkv.bundled_model import ensure_model
+    from semkv.kv_sizing import bundled_kv_cache_bytes
 
     args: dict[str, Any] = dict(
-        model=str(ensure_model()), dtype="float32", gpu_memory_utilization=0.1,
-        max_model_len=4096, block_size=BLOCK, enable_prefix_caching=True, enforce_eager=True,
-        max_num_batched_tokens=1024, disable_log_stats=False, seed=0,
+        model=str(ensure_model()), dtype="float32", max_model_len=4096, block_size=BLOCK,
+        enable_prefix_caching=True, enforce_eager=True, max_num_batched_tokens=1024,
+        disable_log_stats=False, seed=0,
     )
     if extra_config is not None:
         args["kv_transfer_config"] = dict(CONNECTOR, kv_connector_extra_config=extra_config)
     args.update(overrides)
+    # NOTE: sized from the run, never a host fraction; three full-length requests resident
+    # keeps the tests' earlier prompts in vLLM's prefix cache where a test expects a local hit.
+    args.setdefault("kv_cache_memory_bytes", bundled_kv_cache_bytes(
+        max_model_len=args["max_model_len"], max_num_seqs=RESIDENT_SEQS,
+        block_size=args["block_size"]))
     llm = LLM(**args)
     try:
         yield llm

@@ -173,7 +173,8 @@ def test_connector_refuses_to_start_naming_the_key(vllm_parts, key, role):
      "faults"),
     ({"provider": "faulty", "provider_config": {"inner": "no-such-inner"}}, "no-such-inner"),
 ])
-def test_bad_provider_setup_refuses_to_start(vllm_parts, provider_config, named):
+def test_bad_provider_setup_refuses_to_start(vllm_parts, provider_config, named, monkeypatch):
+    monkeypatch.setenv("SEMKV_ALLOW_FAULT_INJECTION", "1")  # the faulty cases are on purpose
     before = _semkv_threads()
     with pytest.raises(Exception) as info:  # noqa: PT011 - the message is what matters
         _construct(vllm_parts, dict(VALID, **provider_config), "SCHEDULER")
@@ -187,3 +188,26 @@ def test_good_configuration_starts(vllm_parts):
         assert connector._scheduler is not None
     finally:
         connector.shutdown()
+
+
+def test_fault_injector_refused_outside_tests(vllm_parts):
+    # _clean_env removed SEMKV_ALLOW_FAULT_INJECTION: as on an operator's engine
+    with pytest.raises(Exception) as info:  # noqa: PT011 - the message is what matters
+        _construct(vllm_parts, dict(VALID, provider="faulty"), "SCHEDULER")
+    assert "faulty" in str(info.value) and "SEMKV_ALLOW_FAULT_INJECTION" in str(info.value)
+
+
+def test_donor_store_larger_than_the_host_refuses_to_start(vllm_parts):
+    from semkv_vllm.engine_setup import host_memory_available
+
+    available, _ = host_memory_available()
+    too_big = available + (8 << 30)
+    before = _semkv_threads()
+    with pytest.raises(ConfigError) as info:
+        _construct(vllm_parts, dict(VALID, donor_store_bytes=too_big), "WORKER")
+    message = str(info.value)
+    assert "donor_store_bytes" in message and str(too_big) in message
+    assert "GiB available" in message
+    assert _semkv_threads() == before
+    # a store the host can give starts (the worker allocates it only in register_kv_caches)
+    _construct(vllm_parts, dict(VALID, donor_store_bytes="64MiB"), "WORKER").shutdown()

@@ -51,9 +51,8 @@ def test_child_of_multiconnector_beside_another_connector(tmp_path):
 def test_tensor_parallel_three_ranks(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1|0")
     prompt = essay_prompts(1, chars=1500, seed=22)[0] + "\n\nQuestion: who is the reader?\nAnswer:"
-    # each rank reserves its own share of host memory (weights, activations and KV)
-    with engine(SEMKV, tensor_parallel_size=3, max_model_len=2048,
-                gpu_memory_utilization=0.1) as llm:
+    # kv_cache_memory_bytes is per rank: each holds its share of the heads for every token
+    with engine(SEMKV, tensor_parallel_size=3, max_model_len=2048) as llm:
         summary = _semkv_hit_equals_vllm_hit(llm, prompt)
     assert summary["provenance"] == "exact_external_kv_hit" and summary["external_tokens"] >= 256
     # every rank confirmed its shard (the worker metadata keeps the minimum over ranks)

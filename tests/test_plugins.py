@@ -106,3 +106,16 @@ def test_a_broken_plugin_does_not_hide_the_others(tmp_path):
     code = "from semkv.plugins import get_provider_class; get_provider_class('broken')"
     out = _run(code, tmp_path)
     assert "'broken' failed to load" in out.stderr and "ModuleNotFoundError" in out.stderr
+
+
+def test_fault_injector_is_listed_as_testing_only_and_refused_without_opt_in(monkeypatch):
+    from semkv.plugins import TestingOnlyProviderError, get_provider_class, plugin_versions
+
+    rows = {r["provider"]: r for r in plugin_versions()}
+    assert rows["faulty"]["testing_only"] is True
+    assert not any(r["testing_only"] for name, r in rows.items() if name != "faulty")
+    monkeypatch.delenv("SEMKV_ALLOW_FAULT_INJECTION", raising=False)
+    with pytest.raises(TestingOnlyProviderError, match="SEMKV_ALLOW_FAULT_INJECTION=1"):
+        get_provider_class("faulty")
+    monkeypatch.setenv("SEMKV_ALLOW_FAULT_INJECTION", "1")
+    assert get_provider_class("faulty").name == "faulty"

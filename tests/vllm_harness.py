@@ -33,6 +33,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from semkv.bundled_model import ensure_model
+from semkv.kv_sizing import bundled_kv_cache_bytes
 
 BLOCK = 32
 HEADS, HEAD_SIZE = 1, 64  # one slot = 32 tokens * 1 head * (64+64) * 4 B = 16 KiB: 64 per MiB
@@ -54,8 +55,9 @@ def make_vllm_config(extra: dict[str, Any], *, num_batched: int = 4096,
         scheduler_config=SchedulerConfig(
             max_num_seqs=16, max_num_batched_tokens=num_batched, max_model_len=4096,
             enable_chunked_prefill=True, is_encoder_decoder=False, scheduler_cls=scheduler_cls),
-        cache_config=CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.3,
-                                 enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True,
+                                 kv_cache_memory_bytes=bundled_kv_cache_bytes(
+                                     max_model_len=4096, max_num_seqs=1, block_size=BLOCK)),
         kv_transfer_config=KVTransferConfig(
             kv_connector="SemanticKVConnector", kv_connector_module_path="semkv_vllm.connector",
             kv_role="kv_both", kv_load_failure_policy=policy, kv_connector_extra_config=extra),

@@ -82,7 +82,7 @@ class BenchConfig:
     concurrency: int  # requests in flight in the throughput phase (1: the sequential phase)
     seed: int = 0
     block_size: int = 32
-    kv_cache_bytes: int = 768 << 20
+    kv_cache_bytes: int | None = None  # None: semkv.kv_sizing from max_model_len and seqs
     cores: str = "0"  # VLLM_CPU_OMP_THREADS_BIND for every engine
     extra: dict[str, Any] = field(default_factory=dict)
 

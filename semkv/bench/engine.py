@@ -78,9 +78,14 @@ def open_engine(arm: Arm, config: BenchConfig, *, max_num_seqs: int) -> Iterator
     from vllm import LLM
 
     from semkv.bundled_model import ensure_model
+    from semkv.kv_sizing import bundled_kv_cache_bytes
 
+    # NOTE: at least 4 sequences' worth, so the anchor arm's repeated prompt stays cached.
+    kv_bytes = config.kv_cache_bytes or bundled_kv_cache_bytes(
+        max_model_len=config.max_model_len, max_num_seqs=max(max_num_seqs, 4),
+        block_size=config.block_size)
     kwargs: dict[str, Any] = dict(
-        model=str(ensure_model()), dtype="float32", kv_cache_memory_bytes=config.kv_cache_bytes,
+        model=str(ensure_model()), dtype="float32", kv_cache_memory_bytes=kv_bytes,
         max_model_len=config.max_model_len, block_size=config.block_size,
         enable_prefix_caching=True, enforce_eager=True, disable_log_stats=False, seed=0,
         max_num_seqs=max_num_seqs,

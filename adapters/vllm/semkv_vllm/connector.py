@@ -43,6 +43,7 @@ from semkv_vllm.engine_setup import (
     build_provider,
     build_shared_store,
     check_semantic_setup,
+    check_store_fits_host,
     engine_limit,
     probe_layout,
     store_geometry,
@@ -108,6 +109,7 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
             log.info("semkv_connector_ready", mode=str(self.config.semantic_mode),
                      provider=self.config.provider, slots=slots, bytes_per_slot=per_slot)
         else:
+            check_store_fits_host(self.config)
             self._worker = WorkerSide(slots, layerwise=self.config.layerwise_load, rope=rope,
                                       async_save=self.config.async_save)
         self._semantic = semantic

@@ -40,6 +40,45 @@ def store_geometry(config: SemkvConfig, kv_cache_config: KVCacheConfig) -> tuple
     return max(slots, 1), per_slot
 
 
+def host_memory_available() -> tuple[int, str]:
+    """Bytes this process can still take, and how that was read (for the error message).
+
+    The least of the host's MemAvailable and the cgroup's remaining limit (containers).
+    """
+    import psutil
+
+    available = int(psutil.virtual_memory().available)
+    how = f"MemAvailable {available / 2**30:.2f} GiB"
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                left = int(limit) - int(f.read().strip())
+            how += f", cgroup limit {int(limit) / 2**30:.2f} GiB with {left / 2**30:.2f} GiB left"
+            available = min(available, left)
+    except (OSError, ValueError):
+        pass  # no cgroup v2 memory controller: the host figure stands
+    return max(available, 0), how
+
+
+def check_store_fits_host(config: SemkvConfig) -> None:
+    """Refuse a donor store larger than the host can give, before any request is taken.
+
+    NOTE: run in the worker role at construction, before the worker allocates the store (the
+    scheduler process would see memory the worker already took and refuse a fitting store).
+    """
+    if not config.semantic_mode.materializes or config.donor_store != "host":
+        return
+    wanted = int(config.donor_store_bytes)
+    available, how = host_memory_available()
+    if wanted > available:
+        raise ConfigError(
+            f"donor_store_bytes={wanted} ({wanted / 2**30:.2f} GiB) is more than this host can "
+            f"give the donor store: {available / 2**30:.2f} GiB available ({how}); lower "
+            f"donor_store_bytes (it is per worker, beside vLLM's own KV cache)")
+
+
 def build_provider(config: SemkvConfig, vllm_config: VllmConfig,
                     block_size: int) -> GuardedProvider:
     from semkv.plugins import get_provider_class
