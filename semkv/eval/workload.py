@@ -4,6 +4,11 @@ Length control: ``target_tokens`` is the approximate size of each prompt. Withou
 the budget is converted to characters at 4 characters per token; with one, the characters per
 token are measured on a sample of each corpus and every essay document is trimmed (at a line
 boundary) to about its token budget. ``target_tokens=None`` keeps whole essays and six passages.
+
+Build order: positive kinds, then negatives (so negatives can avoid every essay a donor uses),
+then ``LATER_KINDS`` (kinds added after results were published) from their own random stream,
+their prompts inserted at seeded positions: the prompts of every other kind, and their order,
+are what they were before those kinds existed, for the same seed.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Callable, Iterable
 from semkv.eval import chat
 from semkv.eval.clusters import BUILDERS, Context
 from semkv.eval.corpus import essay_documents, leads_by_topic, load_essays, load_wiki
-from semkv.eval.model import KINDS, ClusterKind, Prompt, Workload
+from semkv.eval.model import KINDS, LATER_KINDS, ClusterKind, Prompt, Workload
 
 CHARS_PER_TOKEN = 4.0  # the usual English BPE ratio, used when no tokenizer is given
 _SAMPLE_CHARS = 40_000
@@ -35,8 +40,10 @@ def _chars_per_token(texts: Iterable[str], tokenizer: Callable[[str], list[int]]
 def _overhead_tokens(tokenizer: Callable[[str], list[int]] | None) -> int:
     """Tokens of everything around the material: the longest wrapper, system prompt, etc."""
     system = max(chat.SYSTEM_PROMPTS.values(), key=len)
-    question = max(chat.DOC_QUESTIONS, key=len)
-    instruction = max((chat.DOC_INSTRUCTION, chat.RAG_INSTRUCTION), key=len)
+    question = max((*chat.DOC_QUESTIONS, chat.PASSAGES_QUESTION, chat.TASK_CLOSING), key=len)
+    instruction = max(
+        (chat.DOC_INSTRUCTION, chat.RAG_INSTRUCTION, *chat.TASK_INSTRUCTIONS.values()), key=len
+    )
     text = chat.chat_wrap(system, chat.user_message(instruction, "", question), "chatml")
     return len(tokenizer(text)) if tokenizer is not None else round(len(text) / CHARS_PER_TOKEN)
 
@@ -80,13 +87,20 @@ def build_workload(
     )
     built: list[Prompt] = []
     # Positives first, so negatives can avoid every essay that a donor uses.
-    for kind in sorted(wanted, key=lambda kd: (kd.is_negative, KINDS.index(kd))):
+    first = [kd for kd in wanted if kd not in LATER_KINDS]
+    for kind in sorted(first, key=lambda kd: (kd.is_negative, KINDS.index(kd))):
         for k in range(clusters_per_type):
             built.extend(BUILDERS[kind](ctx, k))
     donors = [p for p in built if p.role == "donor"]
     targets = [p for p in built if p.role == "target"]
     rng.shuffle(donors)  # interleave kinds, reproducibly
     rng.shuffle(targets)
+    ctx.rng = later = random.Random(f"semkv.eval.later/{seed}")  # leaves `rng` as it was
+    for kind in (kd for kd in LATER_KINDS if kd in wanted):
+        for k in range(clusters_per_type):
+            for prompt in BUILDERS[kind](ctx, k):
+                into = donors if prompt.role == "donor" else targets
+                into.insert(later.randrange(len(into) + 1), prompt)
     return Workload(
         seed=seed,
         target_tokens=target_tokens,
