@@ -51,7 +51,8 @@ def scenarios(draw: st.DrawFn) -> tuple[list[int], dict[str, list[int]], int]:
     target: list[int] = []
     for _ in range(draw(st.integers(1, 6))):
         pool = [d for d in donors.values() if d]
-        if pool and draw(st.booleans()):
+        copy: bool = draw(st.booleans())
+        if pool and copy:
             d = draw(st.sampled_from(pool))
             a = draw(st.integers(0, len(d)))
             target += d[a: draw(st.integers(a, len(d)))]
