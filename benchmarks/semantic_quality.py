@@ -106,6 +106,7 @@ def main() -> None:
                         target_tokens=args.target_tokens, tokenizer=tok.encode)
     extra = {"provider": args.provider, "semantic_mode": "materialize_semantic",
              "semantic_tiers": ["verified", "semantic"], "min_similarity": args.min_similarity,
+             "realize_spans": False,  # this script measures the token swap
              "min_reuse_tokens": 64, "verified_min_reuse_tokens": 64,
              "semantic_min_reuse_tokens": 64, "donor_store_bytes": "2GiB"}
     llm = build_engine(extra, max_len=2 * args.target_tokens + 512)

@@ -33,7 +33,7 @@ ENV_PREFIX = "SEMKV_"
 # SEMKV_* variables that are not config keys (read elsewhere, documented in the operator guide).
 NON_CONFIG_ENV = frozenset(
     {"SEMKV_CONFIG_FILE", "SEMKV_LOAD_PLUGINS", "SEMKV_LOG_LEVEL", "SEMKV_CACHE_DIR",
-     "SEMKV_ALLOW_FAULT_INJECTION"}
+     "SEMKV_ALLOW_FAULT_INJECTION", "SEMKV_FAULT_REALIZE_AFTER_LAYERS"}
 )
 
 
@@ -64,6 +64,10 @@ class SemkvConfig(BaseSettings):
     semantic_tiers: frozenset[QualityTier] = Field(
         default=frozenset(),
         description="Non-exact tiers materialize_semantic may load (exact is always allowed).")
+    realize_spans: bool = Field(default=True, description=(
+        "materialize_semantic's verified tier realizes the span: identical tokens copied from "
+        "one or more donors (keys re-rotated), every other span token computed through the "
+        "engine's model, off the engine step. False: one donor's KV over the span (token swap)."))
     block_aligned_only: bool = True
     lookup_timeout_ms: float = Field(default=50.0, gt=0.0, le=60_000.0)
     max_donors: int = Field(default=10_000, ge=1)

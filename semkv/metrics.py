@@ -37,6 +37,8 @@ FAMILIES: dict[str, tuple[str | None, str]] = {
     "loaded_blocks": (None, "Blocks copied from the donor store into engine blocks."),
     "saved_blocks": (None, "Blocks copied from engine blocks into the donor store."),
     "request_only_blocks": (None, "Blocks served request-only: never exact prefix-cache state."),
+    "span_tokens": ("kind", "Realized spans' tokens (worker-confirmed): copied from donors, of "
+                            "which shifted (keys re-rotated), and computed inside the span."),
 }
 GAUGES: dict[str, str] = {
     "donor_store_bytes": "Bytes of donor KV held in the store.",
@@ -57,6 +59,9 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
                           (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)),
     "load_seconds": ("Worker time per step copying donor KV into engine blocks (all-at-once).",
                      (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)),
+    "realize_seconds": ("Worker time realizing one span (reads, re-rotation, gap compute), off "
+                        "the engine step.", (1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
+                                             2.5, 5.0, 10.0)),
     "request_external_tokens": ("External tokens reported per admitted request.", _TOKENS),
     "request_loaded_tokens": ("Tokens actually loaded per request (worker-confirmed).", _TOKENS),
     "request_similarity": ("Served tokens identical to the target's own, per admitted request.",

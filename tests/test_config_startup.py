@@ -37,6 +37,7 @@ INVALID: dict[str, st.SearchStrategy[Any]] = {
     "semantic_tiers": st.one_of(st.just(["platinum"]), st.just("exact,semantic"),
                                 st.just([1])),
     "block_aligned_only": _NOT_BOOL,
+    "realize_spans": _NOT_BOOL,
     "lookup_timeout_ms": st.one_of(st.floats(-1e6, 0.0), st.floats(60_000.001, 1e9),
                                    st.just("fast")),
     "max_donors": st.one_of(st.integers(-10**6, 0), _NOT_INT),

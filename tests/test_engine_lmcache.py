@@ -155,7 +155,7 @@ def test_beside_lmcache_under_multiconnector(lmcache_url):
     from semkv.bundled_model import ensure_model
 
     semkv = {"provider": "chunks", "semantic_mode": "materialize_semantic",
-             "semantic_tiers": ["verified"], "min_reuse_tokens": 64,
+             "semantic_tiers": ["verified"], "min_reuse_tokens": 64, "realize_spans": False,
              "verified_min_reuse_tokens": 64}
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_model()))
     doc, other = essay_prompts(2, chars=1500, seed=41)

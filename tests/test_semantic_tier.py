@@ -23,6 +23,7 @@ from tests.vllm_harness import BLOCK, HEAD_SIZE, make_harness, make_vllm_config,
 
 SEMANTIC = {"provider": "chunks", "semantic_mode": "materialize_semantic",
             "semantic_tiers": ["verified", "semantic"], "min_reuse_tokens": 64,
+            "realize_spans": False,  # the token-swap load path (realized spans: test_realize*)
             "verified_min_reuse_tokens": 64, "semantic_min_reuse_tokens": 64,
             "donor_store_bytes": "1MiB",
             # lookups here are never the subject of timing: a loaded machine must not time out

@@ -37,12 +37,16 @@ def _arm(name: str, mode: str, provider: str | None, **extra: Any) -> Arm:
     if provider is not None:
         config["provider"] = provider
     semantic = mode == "materialize_semantic"
+    if semantic:
+        config.setdefault("realize_spans", False)
     return Arm(name=name, mode=mode, provider=provider, extra=config, commit_policy=semantic,
                negatives_only=name == "wrong_donor")
 
 
 # Every arm a preset may name. The semantic arms turn both non-exact tiers on with the DEFAULT
 # gates (min_similarity 0.9, 256/512 tokens): the configuration that would ship if it passed.
+# They measure one donor's KV over the span (realize_spans false, as docs/bench.md reports);
+# realized spans have arms of their own (materialize_realized:*).
 ARMS: dict[str, Arm] = {
     a.name: a for a in (
         _arm("disabled", "disabled", None),

@@ -132,6 +132,16 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.layout = probe_layout(self._vllm_config, kv_caches)
             self._worker.report_layout = True
             log.info("page_layout", known=self._worker.layout is not None)
+            if self.config.realize_spans:
+                from semkv_vllm.models import find_engine_model
+                from semkv_vllm.realization import SpanRealizer
+
+                # NOTE: vLLM calls this hook from its model runner's initialize_kv_cache: the
+                # engine's loaded model is one frame up (semkv_vllm.models explains why).
+                self._worker.realizer = SpanRealizer.build(
+                    find_engine_model(), self._worker.layout, kv_caches, self._worker.store)
+                self._worker.report_realize = True
+                log.info("span_realization", available=self._worker.realizer is not None)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -176,7 +186,7 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             return None, None
         sending: set[str] = set()
-        recving = self._worker.take_finished_recving()
+        recving = self._worker.take_finished_recving(finished_req_ids)
         if self._shared is not None:
             shared_sending, shared_recving = self._shared.get_finished(finished_req_ids)
             sending |= shared_sending or set()

@@ -28,6 +28,7 @@ from semkv.leases import LeaseTable
 from semkv.lookup import GuardedProvider
 from semkv.metrics import CounterBag
 from semkv.provider import DonorRecord
+from semkv.types import Mode, QualityTier
 from semkv_vllm.metadata import SaveOp, SemkvMetadata
 from semkv_vllm.request_state import RequestState
 from semkv_vllm.store_index import StoreIndex, block_keys
@@ -75,7 +76,7 @@ class DonorRegistry:
         request = st.request
         prompt = request.num_prompt_tokens
         total_blocks = prompt // self.bs
-        if total_blocks * self.bs < self.config.min_reuse_tokens:
+        if total_blocks * self.bs < self.smallest_span:
             st.may_save = False  # too short to ever be worth reusing
             return
         done = min(computed_after, prompt) // self.bs
@@ -112,6 +113,17 @@ class DonorRegistry:
             op.block_ids.append(block_ids[i])
         self.index.unpin(op.slots)
         return op
+
+    @property
+    def smallest_span(self) -> int:
+        """The fewest tokens any tier this engine may load would take from one donor."""
+        c = self.config
+        spans = [c.min_reuse_tokens]
+        if c.semantic_mode is Mode.MATERIALIZE_SEMANTIC:
+            spans += [{QualityTier.VERIFIED: c.verified_min_reuse_tokens,
+                       QualityTier.SEMANTIC: c.semantic_min_reuse_tokens}[t]
+                      for t in c.semantic_tiers if t is not QualityTier.EXACT]
+        return min(spans)
 
     def register(self, st: RequestState) -> None:
         assert st.keys is not None and self.provider is not None

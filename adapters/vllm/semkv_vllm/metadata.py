@@ -1,7 +1,9 @@
 """What the scheduler-side connector tells the workers each step, and what they answer.
 
 NOTE: everything here is plain data (ints and strings) so it pickles cheaply across vLLM's
-process boundary; no token ids travel, only block and slot numbers.
+process boundary. Block and slot numbers travel; token ids only for the gap tokens a
+``RealizeOp`` computes (as vLLM's own ``SchedulerOutput`` carries prompt ids to the workers).
+Nothing here is ever logged.
 """
 
 from __future__ import annotations
@@ -35,6 +37,40 @@ class LoadOp:
 
 
 @dataclass
+class CopySource:
+    """Target ``[target_start, target_start + length)`` reads donor positions from
+    ``donor_start``, held by store ``slots`` (donor blocks ``donor_first_block`` onwards)."""
+
+    target_start: int
+    length: int
+    donor_start: int
+    donor_first_block: int
+    slots: list[int]
+    generations: list[int]
+
+
+@dataclass
+class RealizeOp:
+    """Realize a request's external span ``[local_tokens, span_tokens)`` into its blocks.
+
+    The worker fills the span's KV from the request's own local prefix (``local_block_ids``),
+    the ``copies`` (donor KV, keys re-rotated where positions differ) and computes every other
+    span position (``gap_positions``, whose ids are ``gap_token_ids``) through the engine's
+    model, then writes ``block_ids`` (the span's blocks). Always asynchronous: the request
+    waits for its KV while others run.
+    """
+
+    request_id: str
+    local_tokens: int
+    span_tokens: int
+    local_block_ids: list[int]
+    block_ids: list[int]
+    copies: list[CopySource]
+    gap_positions: list[int]
+    gap_token_ids: list[int]
+
+
+@dataclass
 class SaveOp:
     """Copy engine blocks into donor-store slots after this step's forward."""
 
@@ -46,7 +82,9 @@ class SaveOp:
 @dataclass
 class SemkvMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
+    realizes: list[RealizeOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
+    idle: bool = False  # no token scheduled this step: the worker may wait for realizations
     shared: KVConnectorMetadata | None = None  # donor_store=lmcache: LMCache's own step plan
 
 
@@ -58,6 +96,8 @@ class SemkvWorkerMetadata(KVConnectorWorkerMetadata):
     failed: set[str] = field(default_factory=set)
     # Reported once by each worker: can it edit its pages token by token (PageLayout known)?
     layout_known: bool | None = None
+    # Reported once by each worker: can it realize spans (layout known, model supported)?
+    can_realize: bool | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, SemkvWorkerMetadata)
@@ -67,6 +107,11 @@ class SemkvWorkerMetadata(KVConnectorWorkerMetadata):
             rid: min(self.loaded_blocks.get(rid, 0), other.loaded_blocks.get(rid, 0))
             for rid in self.loaded_blocks.keys() | other.loaded_blocks.keys()
         }
-        known = (None if self.layout_known is None and other.layout_known is None
-                 else bool(self.layout_known is not False and other.layout_known is not False))
-        return SemkvWorkerMetadata(merged, self.failed | other.failed, known)
+        return SemkvWorkerMetadata(merged, self.failed | other.failed,
+                                   _all(self.layout_known, other.layout_known),
+                                   _all(self.can_realize, other.can_realize))
+
+
+def _all(a: bool | None, b: bool | None) -> bool | None:
+    """Both ranks' answer (None: neither answered yet; False from any rank wins)."""
+    return None if a is None and b is None else bool(a is not False and b is not False)

@@ -8,6 +8,7 @@ from typing import Any
 from semkv.admission import Assessment
 from semkv.namespace import Namespace
 from semkv.types import SemanticKVMatch
+from semkv_vllm.span_admission import SpanHold
 
 
 @dataclass
@@ -29,3 +30,4 @@ class RequestState:
     may_save: bool = True
     registered: bool = False
     lookup_started: bool = False
+    span: SpanHold | None = None  # a realized span's plan, leases and pinned slots

@@ -1,6 +1,7 @@
 """Scheduler side of the connector: discovery, admission, load plans.
 
-Donor capture lives in ``donor_registry.py``, outcome counting in ``provenance.py``.
+Donor capture lives in ``donor_registry.py``, outcome counting in ``provenance.py``, span
+realization plans (non-prefix reuse from several donors) in ``span_admission.py``.
 
 Protocol, per vLLM scheduler step:
 - ``on_new_request``: register the request (cheap); with ``async_lookup`` start its lookup.
@@ -48,9 +49,10 @@ from semkv.types import (
     SemanticKVMatch,
 )
 from semkv_vllm.donor_registry import Donor, DonorRegistry
-from semkv_vllm.metadata import LoadOp, SemkvMetadata, SemkvWorkerMetadata
+from semkv_vllm.metadata import LoadOp, RealizeOp, SemkvMetadata, SemkvWorkerMetadata
 from semkv_vllm.provenance import account, count_decision
 from semkv_vllm.request_state import RequestState
+from semkv_vllm.span_admission import SpanAdmission
 from semkv_vllm.store_index import StoreIndex
 
 log = get_logger("semkv.vllm.scheduler")
@@ -71,6 +73,7 @@ class SchedulerSide:
         self.provider = provider
         self.can_shift = can_shift  # positions of this model's keys can be moved (RoPE)
         self.layout_known = False  # every worker reported a known page layout
+        self.can_realize = False  # every worker can realize spans (model and layout known)
         self.request_only_enforced = request_only_enforced
         # Shared donor store: (request, local prefix) -> tokens it can load beyond the local
         # prefix, None while its lookup runs. Such stores load between steps.
@@ -83,11 +86,17 @@ class SchedulerSide:
         self.admission = Admission(config, block_size)
         self.requests: dict[str, RequestState] = {}
         self.pending_loads: list[LoadOp] = []
+        self.pending_realizes: list[RealizeOp] = []
         self.stats = CounterBag()
         self.registry = DonorRegistry(
             config, block_size=block_size, index=self.index, leases=self.leases,
             provider=provider, stats=self.stats,
             materialize=self.materialize, saves_blocks=self.materialize and shared_lookup is None)
+        # Non-prefix reuse: realized spans serve the verified tier (identical tokens elsewhere).
+        self.spans = (SpanAdmission(config, block_size, self.index, self.leases,
+                                    self._donor_keys)
+                      if (self.materialize and config.realize_spans and shared_lookup is None
+                          and QualityTier.VERIFIED in config.semantic_tiers) else None)
         self.hook_seconds = 0.0  # connector hooks' time since the last stats export
         self.kv_cache_manager: Any = None
         self._exported: dict[str, int] = {}  # the guard's counters, as last exported
@@ -159,7 +168,8 @@ class SchedulerSide:
         count_decision(self.stats, decision, len(request.all_token_ids))
         self.stats.observe("lookup_seconds", time.perf_counter() - started)
         if decision.is_hit:
-            st.answer = (decision.external_prefix_tokens, self.async_load)
+            # a realization computes on the worker: always off the engine step (asynchronous)
+            st.answer = (decision.external_prefix_tokens, self.async_load or st.span is not None)
         else:
             st.answer = (0, False)
         return st.answer
@@ -198,6 +208,10 @@ class SchedulerSide:
                                              "donor_prefix_tokens": local + shared})
         elif shared:
             self._drop_shared(rid)
+        if self.spans is not None and not (match.is_hit and match.donor_id in self.shared_donors):
+            realized = self._realize(st, local, candidates, match)
+            if realized is not None:
+                return realized
         if match.is_hit and match.quality_tier is not QualityTier.EXACT:
             refusal = self._refuse_non_exact(st.assessment)
             if refusal is not None:
@@ -208,6 +222,36 @@ class SchedulerSide:
             return SemanticKVMatch.fallback(rid, FallbackReason.DONOR_STALE,
                                             local_prefix_tokens=local)
         return match
+
+    def _realize(self, st: RequestState, local: int, candidates: list[Candidate],
+                 match: SemanticKVMatch) -> SemanticKVMatch | None:
+        """A realized span from all candidates, when it serves more than ``match`` (else None).
+
+        NOTE: with realization on, one donor's KV is never laid over differing target tokens:
+        a non-exact single-donor match that no plan beats falls back.
+        """
+        assert self.spans is not None
+        rid = st.request.request_id
+        exact = match if match.is_hit and match.quality_tier is QualityTier.EXACT else None
+        refusal = self._refuse_non_exact(st.assessment, realize=True)
+        planned = (refusal if refusal is not None else self.spans.plan(
+            rid, st.request.all_token_ids, local, candidates, self._donor_view,
+            st.namespace.digest, exact))
+        if not isinstance(planned, FallbackReason):
+            if match.is_hit:
+                self.leases.release(match.donor_lease_id or "")
+            realized, st.span = planned
+            return realized
+        if exact is not None:
+            return None  # the exact tier serves it
+        if match.is_hit:
+            self.leases.release(match.donor_lease_id or "")
+            return SemanticKVMatch.fallback(rid, planned, local_prefix_tokens=local)
+        return None
+
+    def _donor_keys(self, donor_id: str) -> list[bytes] | None:
+        donor = self.registry.donors.get(donor_id)
+        return None if donor is None else donor.keys
 
     def _shared_candidate(self, st: RequestState, local: int, tokens: int) -> Candidate:
         """The shared store's prefix of this request, as a transient exact-tier donor."""
@@ -224,10 +268,14 @@ class SchedulerSide:
         if donor_id in self.shared_donors and self.leases.try_retire(donor_id):
             del self.shared_donors[donor_id]
 
-    def _refuse_non_exact(self, assessment: Assessment | None) -> FallbackReason | None:
+    def _refuse_non_exact(self, assessment: Assessment | None,
+                          realize: bool = False) -> FallbackReason | None:
         """Engine-side conditions for request-only reuse (admission judged the tokens)."""
         if not self.request_only_enforced():
             return FallbackReason.RECOMPUTE_POLICY  # loaded KV could become exact cache state
+        if realize:  # shifted copies also need RoPE re-rotation: refused per plan by the worker
+            ok = self.layout_known and self.can_realize and self.can_shift
+            return None if ok else FallbackReason.UNSUPPORTED_REQUEST
         span = assessment.span if assessment is not None else None
         if span is None or not self.layout_known or (span.shifted and not self.can_shift):
             return FallbackReason.UNSUPPORTED_REQUEST  # pages or positions cannot be edited
@@ -274,6 +322,10 @@ class SchedulerSide:
             self.leases.release(st.decision.donor_lease_id)
         if st.pinned:
             self.index.unpin(st.pinned)
+        if st.span is not None:
+            assert self.spans is not None
+            self.spans.release(st.span)
+            st.span = None
         self._drop_shared(st.request.request_id)
         st.pinned, st.generations, st.planned = [], [], False
         st.decision, st.decided_for, st.answer = None, None, (0, False)
@@ -307,6 +359,14 @@ class SchedulerSide:
             st.planned = True
             return
         block_ids = blocks.get_block_ids()[0]
+        if st.span is not None:
+            self.pending_realizes.append(st.span.op(request.request_id,
+                                                    request.all_token_ids, block_ids))
+            st.may_save = False  # request-only KV never becomes a donor either
+            self.stats.inc("request_only_blocks", amount=d.external_prefix_tokens // self.bs)
+            self.stats.inc("materialize_requests", d.quality_tier)
+            st.planned = True
+            return
         first = d.local_prefix_tokens // self.bs
         targets = list(block_ids[first : first + d.external_prefix_tokens // self.bs])
         op = LoadOp(request.request_id, list(st.pinned), list(st.generations), targets,
@@ -323,8 +383,9 @@ class SchedulerSide:
         st.planned = True
 
     def build_connector_meta(self, scheduler_output: Any) -> SemkvMetadata:
-        meta = SemkvMetadata(loads=self.pending_loads)
-        self.pending_loads = []
+        meta = SemkvMetadata(loads=self.pending_loads, realizes=self.pending_realizes,
+                             idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
+        self.pending_loads, self.pending_realizes = [], []
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             st = self.requests.get(rid)
             if st is not None:
@@ -344,6 +405,8 @@ class SchedulerSide:
             return
         if worker_meta.layout_known is not None:
             self.layout_known = worker_meta.layout_known
+        if worker_meta.can_realize is not None:
+            self.can_realize = worker_meta.can_realize
         # NOTE: vLLM frees requests that stop in this step before it hands us the step's worker
         # output, so the counter counts confirmations whether or not the request is still here.
         for rid, blocks in worker_meta.loaded_blocks.items():
@@ -352,6 +415,11 @@ class SchedulerSide:
             st = self.requests.get(rid)
             if st is not None:
                 st.loaded_tokens = blocks * self.bs
+                if st.span is not None:  # what the worker's realization did inside the span
+                    plan = st.span.plan
+                    self.stats.inc("span_tokens", "copied", plan.copied_tokens)
+                    self.stats.inc("span_tokens", "shifted", plan.shifted_tokens)
+                    self.stats.inc("span_tokens", "computed", plan.computed_tokens)
         for rid in worker_meta.failed:
             st = self.requests.get(rid)
             if st is not None:
@@ -379,7 +447,7 @@ class SchedulerSide:
             st.saved_blocks, st.registered, st.may_save = 0, False, (
                 self.engine_supported and self._supported(st.request))
         self.leases.release_all()
-        self.pending_loads = []
+        self.pending_loads, self.pending_realizes = [], []
         self.index.clear()
         self.index.evicted_keys.clear()
         self.registry.clear()

@@ -14,6 +14,9 @@ known layout (or a needed shift without a RopeShift) such a load fails and is re
 NOTE: saves start in ``wait_for_save``, after the whole forward, and only cover blocks whose
 every token was computed by the end of this step (the scheduler guarantees it), so chunked
 prefill never stores a partial block.
+NOTE: realized spans (``RealizeOp``, non-prefix reuse) run on their own background thread
+(``realization.py``): submitted in ``start_load_kv``, written into the request's blocks and
+reported received in ``take_finished_recving`` (between steps), or reported invalid.
 NOTE: with ``async_save`` the copy runs on one background thread, off the step's critical path
 (the first token is sampled and sent while it runs). It reads blocks that are complete and
 still owned by their request, which nothing rewrites until vLLM frees and reallocates them; a
@@ -34,8 +37,9 @@ import torch
 from semkv.log import get_logger
 from semkv.metrics import CounterBag
 from semkv_vllm.block_copy import allocate_store, copy_blocks
-from semkv_vllm.metadata import LoadOp, SaveOp, SemkvMetadata, SemkvWorkerMetadata
+from semkv_vllm.metadata import LoadOp, RealizeOp, SaveOp, SemkvMetadata, SemkvWorkerMetadata
 from semkv_vllm.page_layout import PageLayout
+from semkv_vllm.realization import IDLE_WAIT_S, Realized, SpanRealizer
 from semkv_vllm.rope import RopeShift
 
 log = get_logger("semkv.vllm.worker")
@@ -70,6 +74,8 @@ class WorkerSide:
         self._failed: set[str] = set()
         self._failed_counted: set[str] = set()  # one materialize_failed per request and step
         self.report_layout = False  # set when token-level loads are configured
+        self.realizer: SpanRealizer | None = None
+        self.report_realize = False  # set when span realization is configured
 
     # -- setup -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -93,6 +99,10 @@ class WorkerSide:
                    for s, g in zip(op.slots, op.generations, strict=True))
 
     def start_load_kv(self) -> None:
+        if self._meta is not None and self._meta.realizes:
+            self.drain_saves()  # a realization reads slots an in-flight save may be writing
+            for rop in self._meta.realizes:
+                self._start_realize(rop)
         if self._meta is None or not self._meta.loads:
             return
         self.drain_saves()  # a load may read a slot an in-flight save is writing
@@ -159,6 +169,49 @@ class WorkerSide:
         deltas = torch.as_tensor(target_pos, dtype=torch.long) - torch.as_tensor(donor_pos)
         self._maps[id(op)] = (source, deltas)
         return source, deltas
+
+    # -- realized spans ---------------------------------------------------------------------
+    def _start_realize(self, op: RealizeOp) -> None:
+        stale = any(self.slot_generation[s] != g for c in op.copies
+                    for s, g in zip(c.slots, c.generations, strict=True))
+        if self.realizer is None or stale:
+            self._fail_realize(op, "stale_slot" if stale else "realization_unavailable")
+            return
+        self.realizer.submit(op)
+
+    def _finish_realizations(self, finished: set[str], *, wait: bool = False) -> None:
+        if self.realizer is None:
+            return
+        idle = self._meta is not None and self._meta.idle
+        for done in self.realizer.harvest(wait=wait, wait_s=IDLE_WAIT_S if idle else 0.0):
+            self._finish_realize(done, finished)
+
+    def _finish_realize(self, done: Realized, finished: set[str]) -> None:
+        op = done.op
+        self.stats.observe("realize_seconds", done.seconds)
+        if done.error is not None:
+            self._fail_realize(op, done.error)
+            return
+        if op.request_id not in finished:  # aborted meanwhile: vLLM frees its blocks after this
+            try:
+                assert self.realizer is not None
+                self.realizer.write(done)
+            except Exception as exc:  # noqa: BLE001
+                self._fail_realize(op, type(exc).__name__)
+                return
+        self._loaded[op.request_id] = len(op.block_ids)
+        self.stats.inc("loaded_blocks", amount=len(op.block_ids))
+        self._finished_recving.add(op.request_id)
+
+    def _fail_realize(self, op: RealizeOp, why: str) -> None:
+        self._invalid_blocks.update(op.block_ids)
+        self._failed.add(op.request_id)
+        self._loaded.pop(op.request_id, None)
+        self.stats.inc("materialize_failed")
+        self.stats.inc("invalid_blocks", amount=len(op.block_ids))
+        self._finished_recving.add(op.request_id)
+        log.warning("realize_failed", request_id=op.request_id, blocks=len(op.block_ids),
+                    why=why)
 
     def _pending_layers_for(self, op: LoadOp) -> bool:
         return any(op in ops for ops in self._pending_layers.values())
@@ -238,13 +291,16 @@ class WorkerSide:
             self.stats.inc("saved_blocks", amount=result.saved)
 
     def shutdown(self) -> None:
+        if self.realizer is not None:
+            self.realizer.shutdown()
         self.drain_saves()
         if self._saver is not None:
             self._saver.shutdown(wait=True)
             self._saver = None
 
     # -- reporting -------------------------------------------------------------------------
-    def take_finished_recving(self) -> set[str]:
+    def take_finished_recving(self, finished_req_ids: set[str] | None = None) -> set[str]:
+        self._finish_realizations(finished_req_ids or set())
         done, self._finished_recving = self._finished_recving, set()
         return done
 
@@ -253,11 +309,13 @@ class WorkerSide:
         return invalid
 
     def take_worker_meta(self) -> SemkvWorkerMetadata | None:
-        layout = None
+        layout = realize = None
         if self.report_layout:
             layout, self.report_layout = self.layout is not None, False
-        if not self._loaded and not self._failed and layout is None:
+        if self.report_realize:
+            realize, self.report_realize = self.realizer is not None, False
+        if not self._loaded and not self._failed and layout is None and realize is None:
             return None
-        meta = SemkvWorkerMetadata(dict(self._loaded), set(self._failed), layout)
+        meta = SemkvWorkerMetadata(dict(self._loaded), set(self._failed), layout, realize)
         self._loaded, self._failed, self._failed_counted = {}, set(), set()
         return meta

@@ -1,0 +1,233 @@
+"""Worker side of span realization: a ``RealizeOp`` executed off the engine step.
+
+Protocol (driven by ``WorkerSide``):
+
+- ``SpanRealizer.build(model, layout, kv_caches, store)`` once, in ``register_kv_caches``: the
+  layer runner for the engine's model (``semkv_vllm.models``), the page layout probed from the
+  engine's cache-write kernel, and which paged cache belongs to which decoder layer. None, with
+  the reason logged, when the model or the layout is not supported: the scheduler is told and
+  answers such requests ``unsupported_request``.
+- ``submit(op)`` in ``start_load_kv``: the op runs on one background thread
+  (``semkv-realize``). It reads the request's local prefix blocks and the pinned donor-store
+  slots into a dense ``KVCache`` of the span, places the copies (keys re-rotated), and computes
+  the gaps through every layer (``semkv.realize.span``): vLLM keeps stepping other requests
+  meanwhile, because the request waits in WAITING_FOR_REMOTE_KVS.
+- ``harvest(finished)`` in ``get_finished`` (main thread, between steps): writes each finished
+  realization's span into the request's blocks and reports it received, or reports its blocks
+  invalid when it failed (vLLM recomputes them under ``kv_load_failure_policy: recompute``).
+  In a step that scheduled no token (nothing else to run) it first waits a little for one.
+
+NOTE: the engine's loop is Python and holds the GIL between its own torch calls; a background
+thread that needs the GIL back after each torch call waits up to the interpreter's switch
+interval (5 ms) every time: measured 27 s instead of 0.3 s for a 900-token span while vLLM's
+loop spun with nothing to schedule. So the realization makes few, large torch calls, the switch
+interval is lowered to ``SWITCH_INTERVAL_S`` while a realization is in flight (restored after),
+and idle steps wait on the realization (the GIL is free while they wait).
+
+NOTE: the background thread writes only its own dense cache; the paged blocks are written on
+the main thread, after the step's forward and before the request can be scheduled again.
+vLLM frees the blocks of a request that finished while waiting for remote KV only after we
+report it received, so no block is ever reused under a realization.
+NOTE: blocks read in the background are immutable while it runs: the local prefix blocks are
+full blocks held by the request, and the donor slots are pinned for it (saves are drained
+before it starts).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from semkv.log import get_logger
+from semkv.realize import KVCache
+from semkv.realize.span import compute, place
+from semkv_vllm.metadata import RealizeOp
+from semkv_vllm.page_layout import PageLayout
+
+log = get_logger("semkv.vllm.realization")
+# Fault injection (tests and chaos runs, with SEMKV_ALLOW_FAULT_INJECTION=1): fail every
+# realization after this many layers have been computed.
+FAULT_AFTER_LAYERS = "SEMKV_FAULT_REALIZE_AFTER_LAYERS"
+SWITCH_INTERVAL_S = 1e-4
+IDLE_WAIT_S = 0.05
+
+
+class InjectedRealizationFault(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Realized:
+    op: RealizeOp
+    cache: KVCache | None
+    error: str | None
+    seconds: float
+
+
+class SpanRealizer:
+    def __init__(self, runner: Any, layout: PageLayout, layer_names: list[str],
+                 kv_caches: dict[str, torch.Tensor], store: dict[str, torch.Tensor]) -> None:
+        self.runner = runner
+        self.layout = layout
+        self.layer_names = layer_names  # decoder layer i -> its paged cache's name
+        self.kv_caches = kv_caches
+        self.store = store
+        self._pool: ThreadPoolExecutor | None = None
+        self._running: dict[str, Future[Realized]] = {}
+        self._switch_interval: float | None = None  # the interpreter's, while lowered
+
+    @classmethod
+    def build(cls, model: Any, layout: PageLayout | None, kv_caches: dict[str, torch.Tensor],
+              store: dict[str, torch.Tensor]) -> SpanRealizer | None:
+        from semkv_vllm.models import UnsupportedModelError, runner_for
+
+        if model is None or layout is None:
+            log.warning("realization_unavailable",
+                        why="engine model not found" if model is None else "page layout unknown")
+            return None
+        try:
+            runner = runner_for(model)
+            runner.rotator  # noqa: B018 - refuse non-linear rotary angles now, not per request
+        except UnsupportedModelError as exc:
+            log.warning("realization_unavailable", why=str(exc))
+            return None
+        names = []
+        for layer in runner.model.model.layers:
+            name = getattr(layer.self_attn.attn, "layer_name", None)
+            if name not in kv_caches:
+                log.warning("realization_unavailable", why="a decoder layer has no paged cache")
+                return None
+            names.append(name)
+        return cls(runner, layout, names, kv_caches, store)
+
+    # -- main thread -----------------------------------------------------------------------
+    def submit(self, op: RealizeOp) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="semkv-realize")
+        if self._switch_interval is None:
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(SWITCH_INTERVAL_S, self._switch_interval))
+        self._running[op.request_id] = self._pool.submit(self._run, op)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    def harvest(self, *, wait: bool = False, wait_s: float = 0.0) -> list[Realized]:
+        """Realizations that finished (all of them with ``wait``; up to ``wait_s`` for one)."""
+        if wait_s > 0 and self._running:
+            futures.wait(list(self._running.values()), timeout=wait_s,
+                         return_when=futures.FIRST_COMPLETED)
+        done = []
+        for rid, future in list(self._running.items()):
+            if wait or future.done():
+                done.append(future.result())  # _run never raises
+                del self._running[rid]
+        if not self._running and self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
+        return done
+
+    def write(self, realized: Realized) -> None:
+        """The span's KV into the request's blocks (main thread, between steps)."""
+        op, cache = realized.op, realized.cache
+        assert cache is not None
+        lo, hi = op.local_tokens, op.span_tokens
+        for layer, name in enumerate(self.layer_names):
+            kv = self.kv_caches[name]
+            keys = cache.keys[layer][0, :, lo:hi].transpose(0, 1).to(kv.device)
+            values = cache.values[layer][0, :, lo:hi].transpose(0, 1).to(kv.device)
+            self.layout.write(kv, op.block_ids, keys, values)
+
+    def shutdown(self) -> None:
+        self.harvest(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # -- background thread -----------------------------------------------------------------
+    def _run(self, op: RealizeOp) -> Realized:
+        started = time.perf_counter()
+        try:
+            cache = self._realize(op)
+        except Exception as exc:  # noqa: BLE001 - any failure becomes a recompute
+            return Realized(op, None, type(exc).__name__, time.perf_counter() - started)
+        return Realized(op, cache, None, time.perf_counter() - started)
+
+    def _realize(self, op: RealizeOp) -> KVCache:
+        runner = self.runner
+        cache = runner.empty_cache(op.span_tokens)
+        bs = self.layout.block_size
+        # One gather per layer for every copy (and one for the local prefix): each torch call
+        # made here waits for the GIL the engine's own loop holds, so calls are few and large.
+        slots = torch.as_tensor([s for c in op.copies for s in c.slots], dtype=torch.long)
+        rows, positions, deltas = [], [], []
+        base = 0
+        for c in op.copies:
+            first = base + c.donor_start - c.donor_first_block * bs
+            rows.append(torch.arange(first, first + c.length))
+            positions.append(torch.arange(c.target_start, c.target_start + c.length))
+            deltas.append(torch.full((c.length,), c.target_start - c.donor_start))
+            base += len(c.slots) * bs
+        local = torch.as_tensor(op.local_block_ids, dtype=torch.long)
+        at = torch.cat([torch.arange(op.local_tokens), *positions])
+        moved = torch.cat([torch.zeros(op.local_tokens, dtype=torch.long), *deltas])
+        picked = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+        keys, values = [], []
+        with torch.no_grad():
+            for name in self.layer_names:
+                k, v = self._read(name, slots, picked, local)
+                keys.append(k)
+                values.append(v)
+            place(cache, runner.rotator if bool(moved.any()) else None, at, keys, values, moved)
+            del keys, values
+            fault_after = _fault_after_layers()
+            if fault_after is not None:
+                self._fail_midway(cache, op, fault_after)
+            compute(runner, cache, op.gap_token_ids, op.gap_positions)
+        return cache
+
+    def _read(self, name: str, slots: torch.Tensor, picked: torch.Tensor,
+              local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's local-prefix and copied K/V, ``[kv_heads, T, head_dim]`` each."""
+        dev = self.runner.device
+        parts_k, parts_v = [], []
+        if local.numel():
+            kv = self.kv_caches[name]
+            k, v = self.layout.read(kv.index_select(0, local.to(kv.device)))
+            parts_k.append(k.to(dev))
+            parts_v.append(v.to(dev))
+        if slots.numel():
+            k, v = self.layout.read(self.store[name].index_select(0, slots).to(dev))
+            parts_k.append(k[picked.to(dev)])
+            parts_v.append(v[picked.to(dev)])
+        if not parts_k:  # nothing copied, no local prefix: every span token is a gap
+            r = self.runner
+            parts_k = parts_v = [torch.zeros(0, r.kv_heads, r.head_dim, dtype=r.dtype, device=dev)]
+        k = torch.cat(parts_k) if len(parts_k) > 1 else parts_k[0]
+        v = torch.cat(parts_v) if len(parts_v) > 1 else parts_v[0]
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def _fail_midway(self, cache: KVCache, op: RealizeOp, after: int) -> None:
+        """Fault injection: compute the first layers for real, then fail."""
+        layers = min(after, self.runner.num_layers)
+        if op.gap_positions and layers:
+            at = torch.as_tensor(op.gap_positions, dtype=torch.long, device=self.runner.device)
+            self.runner.run_layers(cache, self.runner.embed(op.gap_token_ids), at, range(layers))
+        raise InjectedRealizationFault(f"injected after {layers} layers")
+
+
+def _fault_after_layers() -> int | None:
+    from semkv.plugins import fault_injection_allowed
+
+    value = os.environ.get(FAULT_AFTER_LAYERS)  # read per realization: a test may toggle it
+    if value is None or not fault_injection_allowed():
+        return None
+    return int(value)

@@ -1,0 +1,131 @@
+"""Scheduler side of span realization: from a provider's candidates to a pinned ``SpanPlan``.
+
+Protocol (``SchedulerSide._decide`` calls ``plan`` after admission judged the candidates):
+
+1. Every candidate whose donor is known, of the request's namespace and with stored KV
+   contributes its stored tokens; ``semkv.span_plan.plan_span`` picks the best donor per target
+   chunk among all of them (identical tokens only, any offset) and leaves the rest of the span
+   as gaps for the worker to compute.
+2. The plan must copy at least ``verified_min_reuse_tokens`` tokens and beat an exact-tier match
+   admission found (exact KV needs no re-rotation and may be committed: it wins ties).
+3. One lease per donor, then every donor block a copy reads is pinned in the store, before any
+   token is reported. Anything missing ends in ``donor_stale`` with everything released.
+
+The answer is a ``SemanticKVMatch`` of tier ``verified`` (identical tokens, other context),
+``REQUEST_ONLY``, asynchronous: the worker computes the gaps off the engine step.
+
+NOTE: plans and matches hold positions and counts only; token ids stay in the scheduler, except
+the gap tokens a ``RealizeOp`` carries to the worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from semkv.admission import DonorView
+from semkv.config import SemkvConfig
+from semkv.leases import LeaseTable, UnknownDonorError
+from semkv.span_plan import SpanPlan, plan_span
+from semkv.types import (
+    CachePolicy,
+    Candidate,
+    FallbackReason,
+    Materialization,
+    QualityTier,
+    SemanticKVMatch,
+)
+from semkv_vllm.metadata import CopySource, RealizeOp
+from semkv_vllm.store_index import StoreIndex
+
+
+@dataclass
+class SpanHold:
+    """A realization decision's plan, leases and pinned donor slots (released together)."""
+
+    plan: SpanPlan
+    lease_ids: list[str] = field(default_factory=list)
+    copies: list[CopySource] = field(default_factory=list)
+
+    @property
+    def slots(self) -> list[int]:
+        return [s for c in self.copies for s in c.slots]
+
+    def op(self, request_id: str, token_ids: Sequence[int], block_ids: Sequence[int]) -> RealizeOp:
+        """The worker's op, on the request's allocated blocks."""
+        bs = self.plan.block_size
+        local, span = self.plan.local_tokens, self.plan.span_tokens
+        gaps = [p for s in self.plan.segments if s.is_gap for p in range(s.target_start, s.end)]
+        return RealizeOp(request_id, local, span, list(block_ids[: local // bs]),
+                         list(block_ids[local // bs: span // bs]), list(self.copies), gaps,
+                         [int(token_ids[p]) for p in gaps])
+
+
+class SpanAdmission:
+    def __init__(self, config: SemkvConfig, block_size: int, index: StoreIndex,
+                 leases: LeaseTable, keys_of: Callable[[str], list[bytes] | None]) -> None:
+        self.config = config
+        self.bs = block_size
+        self.index = index
+        self.leases = leases
+        self.keys_of = keys_of  # donor id -> its blocks' content keys in the store
+
+    def plan(self, request_id: str, target: Sequence[int], local: int,
+             candidates: Sequence[Candidate], view: Callable[[str], DonorView | None],
+             namespace: str, exact: SemanticKVMatch | None,
+             ) -> tuple[SemanticKVMatch, SpanHold] | FallbackReason:
+        donors = {}
+        for c in candidates:
+            v = view(c.donor_id)
+            if v is None or c.namespace != namespace or v.namespace != namespace:
+                continue
+            if v.stored_tokens > 0:
+                donors[c.donor_id] = v.token_ids[: v.stored_tokens]
+        if not donors:
+            return FallbackReason.PROVIDER_MISS
+        plan = plan_span(target, donors, local_tokens=local, block_size=self.bs,
+                         min_copied_tokens=self.config.verified_min_reuse_tokens)
+        if plan is None:
+            return FallbackReason.LOW_REUSE_TOKENS
+        if exact is not None and exact.external_prefix_tokens >= plan.copied_tokens:
+            return FallbackReason.EXACT_PREFIX_SUFFICIENT  # the exact match serves as much
+        hold = SpanHold(plan)
+        if not self._hold(hold):
+            self.release(hold)
+            return FallbackReason.DONOR_STALE
+        copied = sum(1 for s in plan.segments if not s.is_gap)
+        match = SemanticKVMatch(
+            request_id=request_id, donor_id=plan.donors[0], donor_lease_id=hold.lease_ids[0],
+            similarity=1.0,  # every copied token is identical to the target's
+            local_prefix_tokens=local, external_prefix_tokens=plan.span_tokens - local,
+            donor_prefix_tokens=plan.span_tokens, materialization=Materialization.ASYNC,
+            quality_tier=QualityTier.VERIFIED, cache_policy=CachePolicy.REQUEST_ONLY,
+            metadata={**plan.summary(), "copy_segments": copied})
+        return match, hold
+
+    def _hold(self, hold: SpanHold) -> bool:
+        for donor_id in hold.plan.donors:
+            try:
+                hold.lease_ids.append(self.leases.acquire(donor_id).lease_id)
+            except UnknownDonorError:
+                return False
+        for seg in hold.plan.segments:
+            if seg.donor_id is None:
+                continue
+            keys = self.keys_of(seg.donor_id)
+            first, last = seg.donor_start // self.bs, (seg.donor_start + seg.length - 1) // self.bs
+            found = [self.index.get(k) for k in (keys or [])[first: last + 1]]
+            if len(found) != last - first + 1 or any(f is None for f in found):
+                return False
+            slots = [f[0] for f in found if f]
+            self.index.pin(slots)
+            hold.copies.append(CopySource(seg.target_start, seg.length, seg.donor_start, first,
+                                          slots, [f[1] for f in found if f]))
+        return True
+
+    def release(self, hold: SpanHold) -> None:
+        for lease_id in hold.lease_ids:
+            self.leases.release(lease_id)
+        if hold.copies:
+            self.index.unpin(hold.slots)
+        hold.lease_ids, hold.copies = [], []

