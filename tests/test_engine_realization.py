@@ -225,6 +225,7 @@ def test_shifted_multi_donor_realization_runs_end_to_end(llm, rag):
     assert s["provenance"] == "request_only_semantic_reuse" and s["tier"] == "verified", s
     assert s["confirmed_loaded_tokens"] == s["external_tokens"] == plan.num_tokens
     assert len(plan.donors) >= 2 and plan.shifted_tokens >= 256 and plan.computed_tokens > 0
+    assert s["span"] == plan.summary()  # what the request's provenance reports
     assert plan.copied_tokens >= 0.5 * len(rag["warm"].prompt_token_ids)
     delta = rag["delta"]
     assert delta["vllm:semkv_span_tokens:copied"] == plan.copied_tokens
