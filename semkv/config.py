@@ -68,6 +68,20 @@ class SemkvConfig(BaseSettings):
         "materialize_semantic's verified tier realizes the span: identical tokens copied from "
         "one or more donors (keys re-rotated), every other span token computed through the "
         "engine's model, off the engine step. False: one donor's KV over the span (token swap)."))
+    # Selective recompute inside a realized span (semkv.realize.recompute). "none" until the
+    # quality-vs-recompute frontier of issue #17 is measured on the engine.
+    recompute_strategy: Literal["none", "first_k", "blend"] = Field(default="none", description=(
+        "Realized spans: which copied tokens are recomputed through the model. first_k: the "
+        "first recompute_first_k of every copied segment; blend: the copied tokens whose K/V "
+        "deviate most on the first recompute_probe_layers layers."))
+    recompute_fraction: float = Field(default=0.15, ge=0.0, le=1.0, description=(
+        "blend: copied tokens recomputed, as a fraction of the prompt's tokens (capped at the "
+        "copied tokens; gaps and the tail are computed anyway and not charged)."))
+    recompute_first_k: int = Field(default=16, ge=1, description=(
+        "first_k: tokens recomputed at the start of every copied segment."))
+    recompute_probe_layers: int = Field(default=2, ge=1, description=(
+        "blend: first layers computed for every span token to rank the copied ones (below the "
+        "model's layer count, checked at worker start-up)."))
     block_aligned_only: bool = True
     lookup_timeout_ms: float = Field(default=50.0, gt=0.0, le=60_000.0)
     max_donors: int = Field(default=10_000, ge=1)
@@ -121,6 +135,14 @@ class SemkvConfig(BaseSettings):
             return cls(**extra)
         except ValidationError as exc:
             raise ConfigError(_describe(exc)) from None
+
+
+def check_probe_layers(config: SemkvConfig, num_layers: int) -> None:
+    """``recompute_probe_layers`` against the model the worker runs (start-up)."""
+    if config.recompute_probe_layers >= num_layers:
+        raise ConfigError(
+            f"recompute_probe_layers: {config.recompute_probe_layers} must be below the "
+            f"model's {num_layers} layers (blend continues the top fraction through the rest)")
 
 
 def valid_keys() -> list[str]:

@@ -38,7 +38,8 @@ FAMILIES: dict[str, tuple[str | None, str]] = {
     "saved_blocks": (None, "Blocks copied from engine blocks into the donor store."),
     "request_only_blocks": (None, "Blocks served request-only: never exact prefix-cache state."),
     "span_tokens": ("kind", "Realized spans' tokens (worker-confirmed): copied from donors, of "
-                            "which shifted (keys re-rotated), and computed inside the span."),
+                            "which shifted (keys re-rotated), computed inside the span, and "
+                            "copied tokens recomputed through every layer."),
 }
 GAUGES: dict[str, str] = {
     "donor_store_bytes": "Bytes of donor KV held in the store.",

@@ -38,6 +38,13 @@ INVALID: dict[str, st.SearchStrategy[Any]] = {
                                 st.just([1])),
     "block_aligned_only": _NOT_BOOL,
     "realize_spans": _NOT_BOOL,
+    "recompute_strategy": st.one_of(
+        st.text(max_size=10).filter(lambda v: v not in ("none", "first_k", "blend")),
+        st.just("full"), st.integers()),
+    "recompute_fraction": st.one_of(st.floats(1.0001, 1e9), st.floats(-1e9, -0.0001),
+                                    st.just(float("nan")), st.just("most")),
+    "recompute_first_k": st.one_of(st.integers(-10**6, 0), _NOT_INT),
+    "recompute_probe_layers": st.one_of(st.integers(-10**6, 0), _NOT_INT),
     "lookup_timeout_ms": st.one_of(st.floats(-1e6, 0.0), st.floats(60_000.001, 1e9),
                                    st.just("fast")),
     "max_donors": st.one_of(st.integers(-10**6, 0), _NOT_INT),

@@ -17,6 +17,10 @@ strategy adds:
   the missing context, hence two probe layers by default.
 - ``full``: a full prefill, no reuse: the reference.
 
+The selection and the layered execution are ``semkv.realize.recompute``'s, the module the
+engine's worker realizes spans with (one realization semantics, two runners): ``ratio`` is its
+``fraction``, a fraction of the prompt's tokens. ``full`` stays here (no reuse at all).
+
 The result carries the cache (capacity for the generation), the next-token logits and, per
 layer range, which positions were computed: the input of the FLOPs estimate.
 """
@@ -30,10 +34,17 @@ from enum import Enum
 import torch
 
 from semkv.realize import KVCache, LayerRunner
+from semkv.realize.recompute import (
+    DEFAULT_PROBE_LAYERS,
+    RecomputeKind,
+    RecomputeStrategy,
+    recompute,
+)
 from semkv.research.assembly import ReusePlan, assemble
 from semkv.research.donors import DonorStore
 
-DEFAULT_PROBE_LAYERS = 2
+__all__ = ["DEFAULT_PROBE_LAYERS", "PrefillResult", "Strategy", "StrategyKind", "prefill",
+           "runs", "shared"]
 
 
 class StrategyKind(str, Enum):
@@ -103,46 +114,18 @@ class PrefillResult:
         return done / total if total else 0.0
 
 
-def _first_k(plan: ReusePlan, k: int) -> set[int]:
-    return {seg.target_start + i for seg in plan.segments for i in range(min(k, seg.length))}
+def shared(strategy: Strategy) -> RecomputeStrategy:
+    """The engine-shared strategy (``semkv.realize.recompute``) for a research strategy."""
+    if strategy.kind is StrategyKind.FULL:
+        raise ValueError("full is a plain prefill, not a recompute strategy")
+    return RecomputeStrategy(RecomputeKind(strategy.kind.value), fraction=strategy.ratio,
+                             first_k=max(1, strategy.first_k),
+                             probe_layers=strategy.probe_layers)
 
 
-def _deviation(fresh: KVCache, reused_k: list[torch.Tensor], reused_v: list[torch.Tensor],
-               layers: int, n: int) -> torch.Tensor:
-    """Per position: relative squared deviation of reused KV from fresh KV, probe layers summed."""
-    score = torch.zeros(n, dtype=torch.float32)
-    for layer in range(layers):
-        fk, fv = fresh.keys[layer][0, :, :n], fresh.values[layer][0, :, :n]
-        diff = ((fk - reused_k[layer]) ** 2).sum(dim=(0, 2)) + ((fv - reused_v[layer]) ** 2).sum(
-            dim=(0, 2))
-        norm = (fk ** 2).sum(dim=(0, 2)) + (fv ** 2).sum(dim=(0, 2))
-        score += (diff / norm.clamp_min(1e-12)).to(torch.float32).cpu()
-    return score
-
-
-Passes = list[tuple[range, list[int]]]  # (layers, positions computed in them)
-
-
-def _blend(lm: LayerRunner, target: Sequence[int], plan: ReusePlan, cache: KVCache,
-           strategy: Strategy, mandatory: set[int]) -> tuple[torch.Tensor, Passes]:
-    n = plan.num_tokens
-    probe = min(strategy.probe_layers, lm.num_layers)
-    old_k = [cache.keys[layer][0, :, :n].clone() for layer in range(probe)]
-    old_v = [cache.values[layer][0, :, :n].clone() for layer in range(probe)]
-    everyone = list(range(n))
-    hidden = lm.run_layers(cache, lm.embed(target), torch.arange(n), range(probe))
-    passes: Passes = [(range(probe), everyone)]
-    if probe == lm.num_layers:
-        return hidden[:, -1:], passes
-    deviation = _deviation(cache, old_k, old_v, probe, n)
-    candidates = [p for p, reused in enumerate(plan.reused) if reused and p not in mandatory]
-    budget = min(len(candidates), round(strategy.ratio * n))
-    ranked = sorted(candidates, key=lambda p: (-float(deviation[p]), p))
-    chosen = sorted(mandatory | set(ranked[:budget]))
-    index = torch.tensor(chosen, dtype=torch.long)
-    out = lm.run_layers(cache, hidden[:, index], index, range(probe, lm.num_layers))
-    passes.append((range(probe, lm.num_layers), chosen))
-    return out[:, -1:], passes
+def runs(plan: ReusePlan) -> list[tuple[int, int]]:
+    """The plan's reused segments as the shared module's copied runs."""
+    return [(seg.target_start, seg.length) for seg in plan.segments]
 
 
 def prefill(
@@ -157,15 +140,9 @@ def prefill(
         cache, logits = lm.full_prefill(target, capacity, all_logits=False)
         return PrefillResult(cache, logits[-1], n, [(range(lm.num_layers), list(range(n)))])
     cache = assemble(plan, store, lm, capacity=capacity, rotate=rotate)
-    mandatory = {p for p, reused in enumerate(plan.reused) if not reused} | {n - 1}
-    if strategy.kind is StrategyKind.BLEND:
-        last_hidden, passes = _blend(lm, target, plan, cache, strategy, mandatory)
-        return PrefillResult(cache, lm.logits(last_hidden)[-1], n, passes)
-    chosen = set(mandatory)
-    if strategy.kind is StrategyKind.FIRST_K:
-        chosen |= _first_k(plan, strategy.first_k)
-    positions = sorted(chosen)
-    ids = [target[p] for p in positions]
-    hidden = lm.run_layers(cache, lm.embed(ids), torch.tensor(positions, dtype=torch.long))
-    logits = lm.logits(hidden[:, -1:])  # the last prompt token is always among those computed
-    return PrefillResult(cache, logits[-1], n, [(range(lm.num_layers), positions)])
+    # The selection and layered execution are the engine's own (semkv.realize.recompute): every
+    # position is realized here, the plan's segments are the copied runs, n the prompt tokens.
+    done = recompute(lm, cache, range(n), runs(plan), dict(enumerate(target)), shared(strategy),
+                     n)
+    assert done.hidden is not None  # the last prompt token is never reused: always computed
+    return PrefillResult(cache, lm.logits(done.hidden[:, -1:])[-1], n, done.passes)

@@ -1,0 +1,186 @@
+"""Selective recompute: which copied positions are computed fresh on top of reused KV, and how.
+
+One realization semantics, two runners: ``semkv.research.recompute.prefill`` (the whole prompt,
+research's transformers runner) and the engine's worker (``semkv_vllm.realization``, one
+external span, the engine's own modules) both call ``recompute`` with any ``LayerRunner``.
+
+Protocol: ``recompute(runner, cache, positions, copied, token_ids, strategy, prompt_tokens)``
+
+- ``cache`` already holds every position before ``positions`` (the engine's exact local
+  prefix; nothing in research, whose range starts at 0) and, at the ``copied`` runs
+  ``(target_start, length)`` inside ``positions``, the reused KV (keys re-rotated);
+- every position of ``positions`` (a contiguous range) that no run copies is a gap: computed
+  through every layer, whatever the strategy;
+- ``strategy`` adds copied positions:
+  - ``none``: none; every copied token keeps its reused KV in every layer;
+  - ``first_k``: the first ``first_k`` positions of every copied run (EPIC-like: a chunk's first
+    tokens absorb most of the attention its missing preceding context would have drawn);
+  - ``blend`` (CacheBlend-like): the first ``probe_layers`` layers are computed for EVERY
+    position of the range (fresh KV there for all); copied positions are ranked by the
+    deviation of the reused K/V from those fresh ones (per probe layer the squared difference
+    of K and V over the squared norm of the fresh K and V, summed over the probe layers;
+    ties: the earlier position); the top ``budget`` continue through the remaining layers
+    from their probe-layer hidden states, together with the gaps.
+- ``fraction`` (blend) is a fraction of the PROMPT's tokens, the whole sequence being
+  prefilled (local prefix, span and tail), as in the calibration of issue #17:
+  ``budget = min(copied tokens, round(fraction * prompt_tokens))``. Positions computed anyway
+  (gaps, research's non-reused positions, the tail, the last prompt token) are not charged to
+  it; fraction 1.0 recomputes every copied token.
+- ``token_ids`` maps position -> token id for at least ``needed_positions(...)``.
+
+Returns ``Recomputed``: the final pass's hidden states, the passes ``(layers, positions)`` (the
+input of research's FLOPs estimate) and the copied positions computed through every layer.
+
+NOTE: few, large torch calls (one probe pass, one continuation): the engine's worker runs this
+on a background thread that waits for the GIL after every call (``semkv_vllm.realization``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from semkv.realize.cache import KVCache
+from semkv.realize.runner import LayerRunner
+
+DEFAULT_PROBE_LAYERS = 2  # layer 0 cannot tell (its KV is context-free); layer 1 first can
+DEFAULT_FIRST_K = 16
+DEFAULT_FRACTION = 0.15
+Passes = list[tuple[range, list[int]]]  # (layers, positions computed in them)
+Runs = Sequence[tuple[int, int]]  # copied runs: (target_start, length)
+
+
+class RecomputeKind(str, Enum):
+    NONE = "none"
+    FIRST_K = "first_k"
+    BLEND = "blend"
+
+
+@dataclass(frozen=True)
+class RecomputeStrategy:
+    """Which copied positions are recomputed (plain data: it crosses to the engine's worker)."""
+
+    kind: RecomputeKind = RecomputeKind.NONE
+    fraction: float = DEFAULT_FRACTION  # blend: of the prompt's tokens (module docstring)
+    first_k: int = DEFAULT_FIRST_K
+    probe_layers: int = DEFAULT_PROBE_LAYERS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", RecomputeKind(self.kind))
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError("fraction must lie in [0, 1]")
+        if self.kind is RecomputeKind.FIRST_K and self.first_k < 1:
+            raise ValueError("first_k needs k >= 1")
+        if self.probe_layers < 1:
+            raise ValueError("probe_layers must be >= 1")
+
+
+@dataclass
+class Recomputed:
+    hidden: torch.Tensor | None  # [1, T, hidden]: the final pass's positions; None: nothing run
+    passes: Passes
+    recomputed: list[int]  # copied positions computed through every layer, increasing
+
+
+def copied_positions(runs: Runs) -> list[int]:
+    return [p for start, length in runs for p in range(start, start + length)]
+
+
+def first_k_positions(runs: Runs, k: int) -> list[int]:
+    """The first ``k`` positions of every copied run."""
+    return [start + i for start, length in runs for i in range(min(k, length))]
+
+
+def needed_positions(positions: range, runs: Runs, strategy: RecomputeStrategy) -> list[int]:
+    """The positions ``recompute`` may compute: the token ids the caller must supply."""
+    copied = set(copied_positions(runs))
+    if strategy.kind is RecomputeKind.BLEND:
+        return list(positions)
+    extra = set(first_k_positions(runs, strategy.first_k)) if (
+        strategy.kind is RecomputeKind.FIRST_K) else set()
+    return [p for p in positions if p not in copied or p in extra]
+
+
+def budget(strategy: RecomputeStrategy, prompt_tokens: int, copied: int) -> int:
+    """Blend: how many copied tokens continue past the probe layers."""
+    return min(copied, round(strategy.fraction * prompt_tokens))
+
+
+def deviation(cache: KVCache, old_k: Sequence[torch.Tensor], old_v: Sequence[torch.Tensor],
+              lo: int, hi: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+              ) -> torch.Tensor:
+    """Per position of ``[lo, hi)``: the relative squared deviation of reused from fresh KV.
+
+    ``reduce`` sums the parts over tensor-parallel ranks (each holds some heads) before the
+    ratio is taken, so that every rank ranks the same way.
+    """
+    score = torch.zeros(hi - lo, dtype=torch.float32)
+    for layer in range(len(old_k)):
+        fk, fv = cache.keys[layer][0, :, lo:hi], cache.values[layer][0, :, lo:hi]
+        diff = ((fk - old_k[layer]) ** 2).sum(dim=(0, 2)) + ((fv - old_v[layer]) ** 2).sum(
+            dim=(0, 2))
+        norm = (fk ** 2).sum(dim=(0, 2)) + (fv ** 2).sum(dim=(0, 2))
+        if reduce is not None:
+            diff, norm = reduce(torch.stack([diff, norm]))
+        score += (diff / norm.clamp_min(1e-12)).to(torch.float32).cpu()
+    return score
+
+
+def rank(score: torch.Tensor, lo: int, candidates: Sequence[int], take: int) -> list[int]:
+    """The ``take`` candidates of highest score (ties: the earlier position), increasing."""
+    values = score.tolist()
+    ranked = sorted(candidates, key=lambda p: (-values[p - lo], p))
+    return sorted(ranked[:take])
+
+
+def recompute(runner: LayerRunner, cache: KVCache, positions: range, copied: Runs,
+              token_ids: Mapping[int, int], strategy: RecomputeStrategy, prompt_tokens: int,
+              *, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Recomputed:
+    """Compute the gaps of ``positions`` and the copied positions ``strategy`` selects."""
+    copied_set = set(copied_positions(copied))
+    if not copied_set <= set(positions):
+        raise ValueError("a copied run lies outside the realized positions")
+    gaps = [p for p in positions if p not in copied_set]
+    with torch.no_grad():
+        if strategy.kind is RecomputeKind.BLEND and len(positions):
+            return _blend(runner, cache, positions, sorted(copied_set), gaps, token_ids,
+                          strategy, prompt_tokens, reduce)
+        chosen = set(gaps)
+        if strategy.kind is RecomputeKind.FIRST_K:
+            chosen |= set(first_k_positions(copied, strategy.first_k))
+        at = sorted(chosen)
+        layers = range(runner.num_layers)
+        if not at:
+            return Recomputed(None, [(layers, [])], [])
+        hidden = runner.run_layers(cache, runner.embed([token_ids[p] for p in at]),
+                                   torch.tensor(at, dtype=torch.long))
+        return Recomputed(hidden, [(layers, at)], [p for p in at if p in copied_set])
+
+
+def _blend(runner: LayerRunner, cache: KVCache, positions: range, copied: list[int],
+           gaps: list[int], token_ids: Mapping[int, int], strategy: RecomputeStrategy,
+           prompt_tokens: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+           ) -> Recomputed:
+    lo, hi = positions.start, positions.stop
+    probe = min(strategy.probe_layers, runner.num_layers)
+    old_k = [cache.keys[layer][0, :, lo:hi].clone() for layer in range(probe)]
+    old_v = [cache.values[layer][0, :, lo:hi].clone() for layer in range(probe)]
+    everyone = list(positions)
+    hidden = runner.run_layers(cache, runner.embed([token_ids[p] for p in everyone]),
+                               torch.arange(lo, hi), range(probe))
+    passes: Passes = [(range(probe), everyone)]
+    if probe == runner.num_layers:  # the probe already computed every layer for everyone
+        return Recomputed(hidden, passes, copied)
+    score = deviation(cache, old_k, old_v, lo, hi, reduce)
+    top = rank(score, lo, copied, budget(strategy, prompt_tokens, len(copied)))
+    chosen = sorted(set(gaps) | set(top))
+    rest = range(probe, runner.num_layers)
+    passes.append((rest, chosen))
+    if not chosen:
+        return Recomputed(None, passes, [])
+    index = torch.tensor(chosen, dtype=torch.long)
+    out = runner.run_layers(cache, hidden[:, index - lo], index, rest)
+    return Recomputed(out, passes, top)
