@@ -120,3 +120,75 @@ def test_bad_arm_or_preset_fails_with_a_clear_error(capsys) -> None:
     assert "needs the 'disabled' arm" in capsys.readouterr().err
     assert main(["bench", "--preset", "huge"]) == 2
     assert "unknown bench preset 'huge'" in capsys.readouterr().err
+
+
+def test_realized_span_columns_split_tokens_and_compare_to_exact_and_response_cache() -> None:
+    wl = Workload(
+        ids={}, kind={"rag": "multi_passage_rag", "neg": "negative_unrelated"},
+        negative={"rag": False, "neg": True}, donor_of={"rag": "d1", "neg": None},
+        true_donor={"rag": True, "neg": False}, targets=["rag", "neg"],
+        donors=["d1", "d2", "d3"], donor_ids={"rag": ["d1", "d2", "d3"]})
+    cold_out = {"rag": [1, 2, 3, 4], "neg": [9, 9, 9, 9]}
+    base = ArmResult(arm=ARMS["disabled"])
+    for t, out in cold_out.items():
+        base.miss[t] = base.reuse[t] = _run(2.0, out, reason="provider_disabled")
+        base.vllm_hit[t] = _run(0.1, out)
+        base.logprob[t], base.logprob_summary[t] = {i: -1.0 for i in range(4)}, {}
+    # the best labelled donor's answer stands for the response cache (d2, not d1)
+    base.donors = {"d1": _run(1, [0, 0, 0, 0]), "d2": _run(1, [1, 2, 0, 0]),
+                   "d3": _run(1, [0, 0, 0, 4])}
+    exact = ArmResult(arm=ARMS["materialize_exact:chunks"])
+    realized = ArmResult(arm=ARMS["materialize_realized:minhash"])
+    rag = _run(0.5, [1, 2, 3, 4], loaded=480, tier="verified")
+    rag.summary["span"] = {"local": 0, "span": 480, "copied": 416, "shifted": 300,
+                           "computed": 64, "donors": 3, "segments": 7}
+    rag.delta = rag.delta - Snapshot({"vllm:semkv_span_tokens:copied": -416.0,
+                                      "vllm:semkv_span_tokens:shifted": -300.0,
+                                      "vllm:semkv_span_tokens:computed": -64.0,
+                                      "vllm:semkv_realize_seconds:sum": -0.25})
+    realized.reuse = {"rag": rag, "neg": _run(2.0, [9, 9, 9, 9], reason="provider_miss")}
+    exact.reuse = {"rag": _run(1.0, [1, 2, 3, 4]), "neg": _run(2.0, [9, 9, 9, 9])}
+    for res in (exact, realized):
+        for t, out in cold_out.items():
+            res.miss[t] = _run(2.0, out, reason="provider_miss")
+            res.logprob[t], res.logprob_summary[t] = {i: -1.0 for i in range(4)}, {}
+    results = {"disabled": base, "materialize_exact:chunks": exact,
+               "materialize_realized:minhash": realized}
+    rows = build_rows(results, wl)
+    row = next(r for r in rows if r["arm"] == "materialize_realized:minhash"
+               and r["prompt_id"] == "rag")
+    assert (row["donor_tokens"], row["span_shifted_tokens"], row["span_computed_tokens"],
+            row["vllm_computed_tokens"]) == (416, 300, 64, 600 - 480)
+    assert row["span_donors"] == 3 and row["realize_s"] == pytest.approx(0.25)
+    assert row["speedup_vs_exact_arm"] == pytest.approx(2.0)
+    assert row["response_cache_rouge_l"] == pytest.approx(0.5)
+    assert row["response_cache_exact_match"] is False
+    arms = {n: summarize_arm(n, r, rows) for n, r in results.items()}
+    k = arms["materialize_realized:minhash"]["span_by_kind"]["multi_passage_rag"]
+    assert (k["realized"], k["donor_tokens"], k["speedup_vs_own_miss_median"]) == (1, 416, 4.0)
+    assert k["realize_ms_median"] == pytest.approx(250.0)
+    assert k["exact_match_rate"] == 1.0 and k["response_cache_rouge_l_median"] == 0.5
+    neg = arms["materialize_realized:minhash"]["span_by_kind"]["negative_unrelated"]
+    assert neg["false_positive_rate"] == 0.0 and neg["response_cache_rouge_l_median"] is None
+    # exact hits: every loaded token is a donor token, nothing computed inside the span
+    ex = arms["materialize_exact:chunks"]["span_by_kind"]["multi_passage_rag"]
+    assert ex["donor_tokens"] == ex["span_computed_tokens"] == 0
+    assert ex["vllm_computed_tokens"] == 600
+    result = {"config": preset("realized").as_dict(), "machine": "test", "arms": arms,
+              "targets": check_targets(rows, arms), "rows": rows,
+              "workload": {"targets": 2, "donors": 3}}
+    assert ("| materialize_realized:minhash | multi_passage_rag | 1 | 1 | 1 | 416 (69%) | "
+            "300 (50%) | 64 (11%) | 120 (20%) | 4.00x | 2.00x | 250 | 100% | 1.00 | 0% | "
+            "0.50 | – |") in markdown(result)
+    for r in rows:  # the row stays flat: the span plan's dict is not copied into it
+        assert not any(isinstance(v, list | dict) for v in r.values())
+
+
+def test_realized_arms_keep_the_token_swap_arms_apart() -> None:
+    for name in ("materialize_realized:minhash", "materialize_realized:chunks"):
+        arm = ARMS[name]
+        assert arm.extra["realize_spans"] and arm.extra["semantic_tiers"] == ["verified"]
+        assert arm.commit_policy and arm.mode == "materialize_semantic"
+    assert ARMS["materialize_realized:minhash"].extra["provider_config"] == {"threshold": 0.1}
+    assert ARMS["materialize_semantic:minhash"].extra["realize_spans"] is False
+    assert "materialize_realized:minhash" in preset("realized").arms

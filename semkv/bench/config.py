@@ -15,6 +15,7 @@ from typing import Any
 from semkv.eval.model import ClusterKind
 
 _SEMANTIC_TIERS = ["verified", "semantic"]
+_REALIZED = {"semantic_tiers": ["verified"], "realize_spans": True}
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,16 @@ ARMS: dict[str, Arm] = {
              semantic_tiers=_SEMANTIC_TIERS, min_similarity=0.0, min_reuse_tokens=32,
              verified_min_reuse_tokens=32, semantic_min_reuse_tokens=32,
              provider_config={"threshold": 0.01}),
+        # Realized spans: the verified tier only (identical tokens copied from one or more
+        # donors, every other span token computed through the engine), default gates.
+        # MinHash's default LSH threshold (0.3) misses a RAG target's one-passage donors: each
+        # holds only 1/k of the target's shingles (Jaccard ~0.25-0.35 for k = 3-4), so the
+        # plan would see one donor or none. 0.1 finds them; admission still copies identical
+        # tokens only, so a looser discovery cannot serve foreign KV (negatives measure that).
+        _arm("materialize_realized:minhash", "materialize_semantic", "minhash", **_REALIZED,
+             provider_config={"threshold": 0.1}),
+        # chunk hashes find block-aligned shared runs at any offset (no threshold to tune)
+        _arm("materialize_realized:chunks", "materialize_semantic", "chunks", **_REALIZED),
     )
 }
 
@@ -114,6 +125,9 @@ class BenchConfig:
 
 _QUICK_KINDS = ("exact_control", "partial_overlap", "cross_instruction", "negative_unrelated",
                 "negative_same_topic")
+_REALIZED_KINDS = ("cross_instruction", "cross_instruction_task_first", "reordered_chunks",
+                   "paraphrased_lead_in", "multi_passage_rag", "exact_control",
+                   "negative_unrelated", "negative_same_topic")
 PRESETS: dict[str, BenchConfig] = {
     # 5 targets (one cluster of five kinds), ~640-token prompts, 16 output tokens, five arms.
     "quick": BenchConfig(
@@ -131,6 +145,14 @@ PRESETS: dict[str, BenchConfig] = {
               "materialize_semantic:semblend", "wrong_donor"),
         kinds=tuple(c.value for c in ClusterKind), clusters_per_type=2, target_tokens=768,
         max_tokens=32, concurrency=4),
+    # Realized spans against the exact tier and the token swap, on the kinds a span plan
+    # serves plus controls: REALIZED_ESTIMATE below (extrapolated from a measured small run).
+    "realized": BenchConfig(
+        preset="realized",
+        arms=("disabled", "materialize_exact:chunks", "materialize_semantic:minhash",
+              "materialize_realized:minhash"),
+        kinds=_REALIZED_KINDS, clusters_per_type=2, target_tokens=768, max_tokens=32,
+        concurrency=1),
 }
 
 

@@ -27,8 +27,10 @@ from semkv.bench.config import Arm, BenchConfig
 CONNECTOR = {"kv_connector": "SemanticKVConnector",
              "kv_connector_module_path": "semkv_vllm.connector",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
-# Histogram sums: semkv's own time (scheduler lookups + admission; worker saves and loads).
-_SECONDS = ("vllm:semkv_lookup_seconds", "vllm:semkv_save_seconds", "vllm:semkv_load_seconds")
+# Histogram sums: semkv's own time (scheduler lookups + admission; worker saves and loads;
+# span realizations, which run off the engine step but hold the request until they finish).
+_SECONDS = ("vllm:semkv_lookup_seconds", "vllm:semkv_save_seconds", "vllm:semkv_load_seconds",
+            "vllm:semkv_realize_seconds")
 
 
 def configure_process(cores: str) -> None:

@@ -84,8 +84,43 @@ def markdown(result: dict[str, Any]) -> str:
                         _f(q["logprob_delta_median"], ".4f"),
                         _f(q["response_cache_rouge_l_median"], ".2f")]
                        for name, s in arms.items() for kind, q in s["quality_by_kind"].items()])]
+    lines += ["", "### Where the prompt's KV came from, per cluster type (realized spans)", "",
+              "Tokens summed over the cluster type's targets (share of their prompt tokens): "
+              "served from donors (of which shifted to new positions), computed by the worker "
+              "inside the external span, computed by vLLM after it (the rest: vLLM's own local "
+              "prefix hit, in bench.json). TTFT ratios are medians "
+              "paired per prompt (> 1: faster than the reference). Response cache: the best "
+              "cold answer of the target's labelled donors.", "",
+              *_table(["arm", "cluster type", "targets", "hits", "realized", "from donors",
+                       "shifted", "computed in span", "computed by vLLM", "TTFT vs own miss",
+                       "vs exact arm", "realize ms med", "exact match", "ROUGE-L med",
+                       "resp. cache EM", "resp. cache ROUGE-L", "FP rate"],
+                      _span_rows(arms))]
     lines += ["", "### Targets", ""] + _targets_md(result["targets"])
     return "\n".join(lines) + "\n"
+
+
+def _share(tokens: int, total: int) -> str:
+    return f"{tokens} ({100 * tokens / total:.0f}%)" if total else str(tokens)
+
+
+def _span_rows(arms: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for name, s in arms.items():
+        if name == "disabled":  # every token computed by vLLM: nothing to split
+            continue
+        for kind, k in s.get("span_by_kind", {}).items():
+            total = k["prompt_tokens"]
+            rows.append([
+                name, kind, str(k["targets"]), str(k["hits"]), str(k["realized"]),
+                _share(k["donor_tokens"], total), _share(k["span_shifted_tokens"], total),
+                _share(k["span_computed_tokens"], total), _share(k["vllm_computed_tokens"], total),
+                _f(k["speedup_vs_own_miss_median"], ".2f", "x"),
+                _f(k["speedup_vs_exact_arm_median"], ".2f", "x"), _f(k["realize_ms_median"], ".0f"),
+                _pct(k["exact_match_rate"]), _f(k["rouge_l_median"], ".2f"),
+                _pct(k["response_cache_exact_match_rate"]),
+                _f(k["response_cache_rouge_l_median"], ".2f"), _pct(k["false_positive_rate"])])
+    return rows
 
 
 def _targets_md(t: dict[str, Any]) -> list[str]:

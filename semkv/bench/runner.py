@@ -65,6 +65,8 @@ class Workload:
     true_donor: dict[str, bool]
     targets: list[str]
     donors: list[str]
+    # target -> every donor it is labelled to reuse from (several for multi_passage_rag)
+    donor_ids: dict[str, list[str]] = field(default_factory=dict)
 
 
 def load_workload(config: BenchConfig) -> Workload:
@@ -87,6 +89,7 @@ def load_workload(config: BenchConfig) -> Workload:
         true_donor={t.prompt_id: t.true_donor_id is not None for t in wl.targets},
         targets=[t.prompt_id for t in wl.targets],
         donors=[d.prompt_id for d in wl.donors],
+        donor_ids={t.prompt_id: list(t.metadata.get("donor_ids") or []) for t in wl.targets},
     )
 
 

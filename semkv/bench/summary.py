@@ -13,6 +13,7 @@ from collections import Counter
 from typing import Any
 
 from semkv.bench.runner import ArmResult, Workload
+from semkv.bench.spans import EXACT_ARM, span_by_kind, span_fields
 from semkv.research.quality import first_divergence, rouge_l, token_f1
 
 LOADED = "vllm:semkv_loaded_tokens"
@@ -57,15 +58,32 @@ def _quality(output: list[int], reference: list[int]) -> dict[str, Any]:
             "rouge_l": rouge_l(output, reference), "token_f1": token_f1(output, reference)}
 
 
+def _response_cache(cold: ArmResult, wl: Workload, t: str) -> dict[str, Any]:
+    """A response cache serving the target a labelled donor's cold answer.
+
+    With several labelled donors (a RAG target's passages) the best-scoring answer stands for
+    the cache: an upper bound on what returning a neighbour's answer could achieve.
+    """
+    reference = cold.miss[t].output
+    single = wl.donor_of.get(t)
+    labelled = wl.donor_ids.get(t) or ([single] if single is not None else [])
+    ids = [d for d in labelled if d in cold.donors]
+    if not ids:
+        return {"response_cache_rouge_l": None, "response_cache_exact_match": None}
+    answers = [cold.donors[d].output for d in ids]
+    return {"response_cache_rouge_l": max(rouge_l(a, reference) for a in answers),
+            "response_cache_exact_match": any(a == reference for a in answers)}
+
+
 def build_rows(results: dict[str, ArmResult], wl: Workload) -> list[dict[str, Any]]:
     """One row per (arm, target): counts, times and scores only (no text, no token ids)."""
     cold = results["disabled"]
+    exact = results.get(EXACT_ARM)
     rows = []
     for name, res in results.items():
         for t, run in res.reuse.items():
             loaded = int(run.delta.get(LOADED))
             reference = cold.miss[t].output
-            donor = wl.donor_of.get(t)
             row: dict[str, Any] = {
                 "arm": name, "mode": res.arm.mode, "provider": res.arm.provider,
                 "prompt_id": t, "kind": wl.kind[t], "negative": wl.negative[t],
@@ -93,9 +111,9 @@ def build_rows(results: dict[str, ArmResult], wl: Workload) -> list[dict[str, An
                 # than the prompt may reach into the answer there: those deltas are not comparable)
                 "logprob_span_matches": int(res.logprob_summary[t].get("external_tokens") or 0)
                 == int(run.summary.get("external_tokens") or 0),
-                "response_cache_rouge_l": (rouge_l(cold.donors[donor].output, reference)
-                                           if donor in cold.donors else None),
+                **_response_cache(cold, wl, t),
                 "donor_is_true": wl.true_donor[t],
+                **span_fields(run, loaded, exact.reuse.get(t) if exact is not None else None),
             }
             if t in res.miss:
                 miss = res.miss[t]
@@ -181,6 +199,7 @@ def summarize_arm(name: str, res: ArmResult, rows: list[dict[str, Any]]) -> dict
         "rouge_l_median": median([r["rouge_l"] for r in rs]),
         "logprob_delta_median_on_hits": median(_values(hits, "logprob_delta")),
         "quality_by_kind": quality_by_kind(rs),
+        "span_by_kind": span_by_kind(rs),
     }
     misses = [r for r in rs if "miss_ttft_s" in r]
     if misses:
