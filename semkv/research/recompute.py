@@ -40,11 +40,12 @@ from semkv.realize.recompute import (
     RecomputeStrategy,
     recompute,
 )
-from semkv.research.assembly import ReusePlan, assemble
+from semkv.research.assembly import NO_SOURCE, ReusePlan, Segment, assemble
 from semkv.research.donors import DonorStore
+from semkv.span_plan import SpanPlan
 
-__all__ = ["DEFAULT_PROBE_LAYERS", "PrefillResult", "Strategy", "StrategyKind", "prefill",
-           "runs", "shared"]
+__all__ = ["DEFAULT_PROBE_LAYERS", "PrefillResult", "Strategy", "StrategyKind", "plan_of_span",
+           "prefill", "runs", "shared"]
 
 
 class StrategyKind(str, Enum):
@@ -146,3 +147,24 @@ def prefill(
                      n)
     assert done.hidden is not None  # the last prompt token is never reused: always computed
     return PrefillResult(cache, lm.logits(done.hidden[:, -1:])[-1], n, done.passes)
+
+
+def plan_of_span(span: SpanPlan, num_tokens: int) -> ReusePlan:
+    """Research's plan reusing exactly a span plan's copied segments (everything else computed).
+
+    The engine's local prefix is the target's own KV; research computes it, which gives the
+    same KV: so research and the engine realize the same prompt under the same copies.
+    """
+    donor_ids: list[str | None] = [None] * num_tokens
+    positions = [NO_SOURCE] * num_tokens
+    identical = [False] * num_tokens
+    segments = []
+    for seg in span.segments:
+        if seg.donor_id is None:
+            continue
+        segments.append(Segment(seg.target_start, seg.donor_id, seg.donor_start, seg.length))
+        for i in range(seg.length):
+            p = seg.target_start + i
+            donor_ids[p], positions[p], identical[p] = seg.donor_id, seg.donor_start + i, True
+    return ReusePlan(num_tokens, tuple(donor_ids), tuple(positions), tuple(identical),
+                     tuple(segments))

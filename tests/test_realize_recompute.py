@@ -1,0 +1,144 @@
+"""``semkv.realize.recompute``: research and the engine's way of realizing a span select the
+same recomputed positions for the same plan (no engine: a tiny random Llama, fp32).
+
+The engine-style run mirrors the worker (``semkv_vllm.realization``): a cache holding the
+target's own exact KV for the local prefix and the copies placed (keys re-rotated), then
+``recompute`` over the span only. Research runs ``prefill`` over the whole prompt under the
+same copies (``plan_of_span``), computing the local prefix and the tail itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from semkv.realize.recompute import (  # noqa: E402
+    RecomputeKind,
+    RecomputeStrategy,
+    budget,
+    needed_positions,
+    recompute,
+)
+from semkv.realize.span import place  # noqa: E402
+from semkv.research import DonorStore, LayerwiseModel, Strategy, prefill  # noqa: E402
+from semkv.research.recompute import plan_of_span  # noqa: E402
+from semkv.span_plan import SpanPlan, plan_span  # noqa: E402
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def lm() -> Iterator[LayerwiseModel]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, attn_implementation="eager")
+    yield LayerwiseModel(LlamaForCausalLM(config).to(torch.float32))
+    torch.set_num_threads(threads)
+
+
+def _tokens(gen: torch.Generator, n: int) -> list[int]:
+    return torch.randint(10, 300, (n,), generator=gen).tolist()
+
+
+@pytest.fixture(scope="module")
+def case(lm: LayerwiseModel) -> tuple[list[int], SpanPlan, DonorStore]:
+    """Two donors' passages in a new order behind another lead-in: shifted copies and gaps."""
+    gen = torch.Generator().manual_seed(5)
+    a, b, c = _tokens(gen, 70), _tokens(gen, 60), _tokens(gen, 50)
+    lead = _tokens(gen, 40)
+    store = DonorStore(lm, chunk_tokens=32)
+    store.add("d1", _tokens(gen, 9) + a + _tokens(gen, 5) + c)
+    store.add("d2", lead[:32] + _tokens(gen, 13) + b)
+    target = lead + b + _tokens(gen, 7) + a + _tokens(gen, 4) + c + _tokens(gen, 6)
+    plan = plan_span(target, store.token_map(), local_tokens=2 * BLOCK, block_size=BLOCK,
+                     chunk_tokens=32)
+    assert plan is not None and plan.shifted_tokens > 100 and plan.computed_tokens > 0
+    return target, plan, store
+
+
+def _engine_style(lm: LayerwiseModel, target: list[int], plan: SpanPlan, store: DonorStore,
+                  strategy: RecomputeStrategy) -> list[int]:
+    """The worker's realization of ``plan`` under ``strategy``: the recomputed positions."""
+    n, local = len(target), plan.local_tokens
+    exact, _ = lm.full_prefill(target[:local], capacity=n, all_logits=False)
+    cache = lm.empty_cache(n)
+    for layer in range(lm.num_layers):  # the local prefix: the target's own KV
+        cache.keys[layer][:, :, :local] = exact.keys[layer][:, :, :local]
+        cache.values[layer][:, :, :local] = exact.values[layer][:, :, :local]
+    runs = []
+    for seg in plan.segments:
+        if seg.donor_id is None:
+            continue
+        at = torch.arange(seg.donor_start, seg.donor_start + seg.length)
+        keys, values = store.gather(seg.donor_id, at)
+        place(cache, lm.rotator, torch.arange(seg.target_start, seg.end),
+              [k[0] for k in keys], [v[0] for v in values],
+              torch.full((seg.length,), seg.target_start - seg.donor_start))
+        runs.append((seg.target_start, seg.length))
+    span = range(local, plan.span_tokens)
+    needed = needed_positions(span, runs, strategy)
+    done = recompute(lm, cache, span, runs, {p: target[p] for p in needed}, strategy, n)
+    return done.recomputed
+
+
+def _research(lm: LayerwiseModel, target: list[int], plan: SpanPlan, store: DonorStore,
+              strategy: Strategy) -> list[int]:
+    reuse = plan_of_span(plan, len(target))
+    result = prefill(lm, target, reuse, store, strategy)
+    reused = reuse.reused
+    return [p for p in result.passes[-1][1] if reused[p]]
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.25, 1.0])
+def test_blend_selects_the_same_positions(lm, case, fraction) -> None:
+    target, plan, store = case
+    mine = _engine_style(lm, target, plan, store,
+                         RecomputeStrategy(RecomputeKind.BLEND, fraction=fraction))
+    theirs = _research(lm, target, plan, store, Strategy.blend(fraction))
+    assert mine == theirs
+    assert len(mine) == budget(RecomputeStrategy(RecomputeKind.BLEND, fraction=fraction),
+                               len(target), plan.copied_tokens)
+    if fraction == 1.0:
+        assert len(mine) == plan.copied_tokens
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_first_k_selects_the_same_positions(lm, case, k) -> None:
+    target, plan, store = case
+    mine = _engine_style(lm, target, plan, store, RecomputeStrategy(RecomputeKind.FIRST_K,
+                                                                    first_k=k))
+    assert mine == _research(lm, target, plan, store, Strategy.first(k))
+    copies = [s for s in plan.segments if not s.is_gap]
+    assert len(mine) == sum(min(k, s.length) for s in copies)
+
+
+def test_none_recomputes_no_copied_position(lm, case) -> None:
+    target, plan, store = case
+    assert _engine_style(lm, target, plan, store, RecomputeStrategy()) == []
+    assert _research(lm, target, plan, store, Strategy.none()) == []
+
+
+def test_the_op_carries_only_the_ids_the_strategy_may_compute() -> None:
+    span = range(16, 64)
+    runs = [(20, 10), (40, 24)]
+    gaps = [p for p in span if not (20 <= p < 30 or 40 <= p < 64)]
+    assert needed_positions(span, runs, RecomputeStrategy()) == gaps
+    first = needed_positions(span, runs, RecomputeStrategy(RecomputeKind.FIRST_K, first_k=3))
+    assert first == sorted(gaps + [20, 21, 22, 40, 41, 42])
+    assert needed_positions(span, runs, RecomputeStrategy(RecomputeKind.BLEND)) == list(span)
+
+
+@pytest.mark.parametrize("bad", [dict(fraction=1.5), dict(fraction=-0.1), dict(probe_layers=0),
+                                 dict(kind="first_k", first_k=0), dict(kind="full")])
+def test_invalid_strategies_are_refused(bad) -> None:
+    with pytest.raises(ValueError):
+        RecomputeStrategy(**bad)
