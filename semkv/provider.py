@@ -11,6 +11,24 @@ Protocol (who calls what, when):
 - ``evict`` is called when the donor store drops a donor; ``reset`` when the engine resets
   its prefix cache; ``close`` once at shutdown.
 
+Shared discovery store (opt-in; see ``semkv.discovery_store`` and docs/deployment.md): a
+provider whose index can live outside the engine process, so that several engines discover
+each other's donors, does three things:
+- its ``Config`` inherits ``semkv.discovery_store.SharedStoreConfig`` (the ``discovery_store``
+  key, ``"memory"`` by default, and the TTL / LRU / timeout keys) and keeps its index in a
+  ``RedisStore`` when ``config.shared``; the namespace is part of every key it writes;
+- donor ids it stores are instance-qualified (``RedisStore.qualify``); ``lookup`` returns this
+  engine's own donors under the ids the host registered and other engines' donors qualified
+  (``instance/donor_id``), and ``donor_tokens`` returns a donor's token ids so that the host
+  can verify a donor it never registered; ``evict`` and ``reset`` touch only its own donors;
+- when the store is unreachable or slow it raises (``DiscoveryStoreUnavailable``) within the
+  store timeouts instead of waiting: the host's ``GuardedProvider`` turns that into a
+  ``provider_error`` fallback (normal prefill) and counts failed registrations, and the
+  provider's ``stats()`` count store errors and timeouts.
+``semkv_chunks`` and ``semkv_minhash`` are the reference implementations; the conformance kit
+(``semkv.testing``) runs the same contract against a provider built with a shared-store
+``provider_config`` (``semkv_provider_config``).
+
 NOTE: a provider must never return a donor registered under another namespace, never return
 an evicted donor, and never raise for well-formed input. Everything it returns is verified by
 admission anyway: a provider proposes, semkv decides.
@@ -125,6 +143,11 @@ class DonorProvider(abc.ABC):
     def stats(self) -> dict[str, float]:
         """Provider-specific counters (numbers only: never text or token ids)."""
         return {}
+
+    def donor_tokens(self, donor_id: str, namespace: str) -> tuple[int, ...] | None:
+        """A discovered donor's token ids, when this provider holds donors the host did not
+        register (a shared store); None otherwise (the host knows its own donors' tokens)."""
+        return None
 
     def text_of(self, token_ids: Sequence[int], text: str | None) -> str:
         """The text of a donor or query: as carried, else detokenized through the context."""

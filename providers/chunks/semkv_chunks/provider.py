@@ -9,6 +9,10 @@ Two indexes per namespace:
 
 Every candidate names its span exactly (``reports_spans``); similarity is the fraction of the
 target's tokens that the span covers. Hash collisions are harmless: admission verifies tokens.
+
+Store: in this process by default; ``discovery_store: redis://host:port/db`` keeps both indexes
+and the donors' token ids in Redis, shared by every engine naming the same server (see
+``semkv_chunks.shared`` and ``semkv.discovery_store``: TTL, LRU bound, failure handling).
 """
 
 from __future__ import annotations
@@ -17,18 +21,22 @@ import threading
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
+from semkv.discovery_store import SharedStoreConfig
 from semkv.provider import DonorProvider, DonorRecord, LookupQuery, ProviderCapabilities
 from semkv.types import Candidate
+from semkv_chunks.runs import best_runs, candidates
+
+if TYPE_CHECKING:
+    from semkv_chunks.shared import SharedChunks
 
 _Key = tuple[str, int]  # (namespace, hash)
 
 
-class ChunksConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class ChunksConfig(SharedStoreConfig):
     chunk_tokens: int | None = Field(
         default=None, ge=1, description="Chunk length; defaults to the engine's block size."
     )
@@ -45,13 +53,6 @@ class _Donor:
     prefix_keys: list[_Key] = field(default_factory=list)
 
 
-@dataclass
-class _Run:
-    donor_start: int
-    target_start: int
-    chunks: int
-
-
 class ChunksProvider(DonorProvider):
     name = "chunks"
     capabilities = ProviderCapabilities(reports_spans=True)
@@ -66,6 +67,12 @@ class ChunksProvider(DonorProvider):
         # hash key -> {donor_id: chunk index}, insertion-ordered so the oldest is dropped first
         self._spans: dict[_Key, dict[str, int]] = defaultdict(dict)
         self._prefixes: dict[_Key, dict[str, int]] = defaultdict(dict)
+        self._shared: SharedChunks | None = None
+        if self.config.shared:
+            from semkv_chunks.shared import SharedChunks
+
+            self._shared = SharedChunks(self.config, self.chunk,
+                                        self.config.max_postings_per_chunk)
 
     def _chunks(self, tokens: Sequence[int]) -> list[tuple[int, ...]]:
         c = self.chunk
@@ -87,6 +94,9 @@ class ChunksProvider(DonorProvider):
             del postings[next(iter(postings))]
 
     def register_donor(self, donor: DonorRecord) -> None:
+        if self._shared is not None:
+            self._shared.register(donor)
+            return
         chunks = self._chunks(donor.token_ids)
         ns = donor.namespace
         span_keys = [(ns, hash(c)) for c in chunks]
@@ -113,60 +123,46 @@ class ChunksProvider(DonorProvider):
                         del index[key]
 
     def evict(self, donor_id: str) -> None:
+        if self._shared is not None:
+            self._shared.donors.evict(donor_id)
+            return
         with self._lock:
             self._forget(donor_id)
 
     def reset(self) -> None:
+        if self._shared is not None:
+            self._shared.donors.reset()
+            return
         with self._lock:
             self._donors.clear()
             self._spans.clear()
             self._prefixes.clear()
 
     def lookup(self, query: LookupQuery) -> list[Candidate]:
+        if self._shared is not None:
+            return self._shared.lookup(query)
         chunks = self._chunks(query.token_ids)
         if not chunks:
             return []
-        ns, c = query.namespace, self.chunk
-        best: dict[str, _Run] = {}
+        ns = query.namespace
         with self._lock:
-            # Exact prefix: the longest chained-hash hit wins for its donor.
-            for i, h in enumerate(self._chained(chunks)):
-                postings = self._prefixes.get((ns, h))
-                if not postings:
-                    break
-                for donor_id in postings:
-                    best[donor_id] = _Run(0, 0, i + 1)
-            # Shared spans at any aligned offsets: extend runs along each (donor, shift).
-            open_runs: dict[tuple[str, int], _Run] = {}
-            for i, chunk in enumerate(chunks):
-                postings = self._spans.get((ns, hash(chunk)))
-                next_runs: dict[tuple[str, int], _Run] = {}
-                for donor_id, j in (postings or {}).items():
-                    key = (donor_id, j - i)
-                    run = open_runs.get(key) or _Run(j * c, i * c, 0)
-                    run.chunks += 1
-                    next_runs[key] = run
-                    held = best.get(donor_id)
-                    if held is None or run.chunks > held.chunks:
-                        best[donor_id] = run
-                open_runs = next_runs
+            prefix_hits = (self._prefixes.get((ns, h)) or {} for h in self._chained(chunks))
+            spans = (self._spans.get((ns, hash(chunk))) or {} for chunk in chunks)
+            best = best_runs(prefix_hits, spans, self.chunk)
             lengths = {d: self._donors[d].length for d in best}
-        total = len(query.token_ids)
-        ranked = sorted(best.items(), key=lambda kv: (-kv[1].chunks, kv[1].target_start, kv[0]))
-        return [
-            Candidate(
-                donor_id=donor_id,
-                namespace=ns,
-                similarity=min(1.0, run.chunks * c / total),
-                donor_start=run.donor_start,
-                target_start=run.target_start,
-                num_tokens=min(run.chunks * c, lengths[donor_id] - run.donor_start),
-                signals={"shared_chunks": float(run.chunks)},
-            )
-            for donor_id, run in ranked[: query.max_candidates]
-        ]
+        return candidates(best, lengths, ns, self.chunk, len(query.token_ids),
+                          query.max_candidates)
+
+    def donor_tokens(self, donor_id: str, namespace: str) -> tuple[int, ...] | None:
+        return None if self._shared is None else self._shared.donors.tokens(donor_id, namespace)
+
+    def close(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
 
     def stats(self) -> dict[str, float]:
+        if self._shared is not None:
+            return self._shared.donors.stats()
         with self._lock:
             return {
                 "donors": float(len(self._donors)),

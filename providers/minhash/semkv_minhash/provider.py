@@ -18,6 +18,10 @@ one probe per LSH band, and one vectorized comparison per candidate. A donor cos
 
 Thread safety: sketching runs outside the lock (the sketcher is immutable); LSH and donor
 table changes and probes run under one lock.
+
+Store: in this process by default; ``discovery_store: redis://host:port/db`` keeps the band
+tables, signatures and token ids in Redis, shared by every engine naming the same server (see
+``semkv_minhash.shared`` and ``semkv.discovery_store``: TTL, LRU bound, failure handling).
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ import threading
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
+from semkv.discovery_store import SharedStoreConfig
 from semkv.provider import (
     DonorProvider,
     DonorRecord,
@@ -36,19 +41,19 @@ from semkv.provider import (
     ProviderContext,
 )
 from semkv.types import Candidate
+from semkv_minhash.rank import rank
 
 if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
 
     from semkv_minhash.lsh import BandIndex
+    from semkv_minhash.shared import SharedMinHash
 
 INSTALL_HINT = "pip install semkv-minhash (it brings datasketch==2.0.0)"
 
 
-class MinHashConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class MinHashConfig(SharedStoreConfig):
     num_perm: int = Field(
         default=128, ge=16, le=1024, description="MinHash permutations (signature length)."
     )
@@ -107,12 +112,21 @@ class MinHashProvider(DonorProvider):
         self._per_namespace: Counter[str] = Counter()
         self._lookups = 0
         self._closed = False
+        self._shared: SharedMinHash | None = None
+        if cfg.shared:
+            from semkv_minhash.shared import SharedMinHash
+
+            self._shared = SharedMinHash(cfg, self._sketcher, self._params, np)
 
     # -- registration -------------------------------------------------------------------------
 
     def register_donor(self, donor: DonorRecord) -> None:
         hashes = self._sketcher.shingles(donor.token_ids)
         signature = self._sketcher.signature(hashes)
+        if self._shared is not None:
+            if not self._closed:
+                self._shared.register(donor, hashes, signature)
+            return
         with self._lock:
             self._forget(donor.donor_id)  # re-registration replaces
             if not len(hashes) or self._closed:
@@ -146,14 +160,22 @@ class MinHashProvider(DonorProvider):
             del self._lsh[ns]
 
     def evict(self, donor_id: str) -> None:
+        if self._shared is not None:
+            self._shared.donors.evict(donor_id)
+            return
         with self._lock:
             self._forget(donor_id)
 
     def reset(self) -> None:
+        if self._shared is not None:
+            self._shared.donors.reset()
+            return
         with self._lock:
             self._clear()
 
     def close(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
         with self._lock:
             self._closed = True
             self._clear()
@@ -169,6 +191,12 @@ class MinHashProvider(DonorProvider):
 
     def lookup(self, query: LookupQuery) -> list[Candidate]:
         ns = query.namespace
+        if self._shared is not None and query.token_ids:
+            hashes = self._sketcher.shingles(query.token_ids)
+            signature = self._sketcher.signature(hashes)
+            with self._lock:
+                self._lookups += 1
+            return self._shared.lookup(query, hashes, signature)
         if not query.token_ids or ns not in self._lsh:  # racy peek; rechecked under the lock
             return []
         np = self._np
@@ -184,25 +212,16 @@ class MinHashProvider(DonorProvider):
                 return []
             donor_sigs = np.stack([self._signature_of[k] for k in keys])
             donor_sizes = np.array([self._shingles_of[k] for k in keys], dtype=np.float64)
-        jaccard = np.count_nonzero(donor_sigs == signature[None, :], axis=1) / self.config.num_perm
-        # |T & D| = J / (1 + J) * (|T| + |D|): the share of the target's shingles the donor holds.
-        coverage = jaccard / (1.0 + jaccard) * (len(hashes) + donor_sizes) / len(hashes)
-        order = sorted(range(len(keys)), key=lambda i: (-float(jaccard[i]), keys[i]))
-        return [
-            Candidate(
-                donor_id=keys[i],
-                namespace=ns,
-                similarity=min(1.0, max(0.0, float(jaccard[i]))),
-                signals={
-                    "jaccard": float(jaccard[i]),
-                    "target_coverage": min(1.0, max(0.0, float(coverage[i]))),
-                },
-            )
-            for i in order[: query.max_candidates]
-        ]
+        return rank(np, keys, donor_sigs, donor_sizes, signature, len(hashes), ns,
+                    query.max_candidates)
+
+    def donor_tokens(self, donor_id: str, namespace: str) -> tuple[int, ...] | None:
+        return None if self._shared is None else self._shared.donors.tokens(donor_id, namespace)
 
     def stats(self) -> dict[str, float]:
         with self._lock:
+            if self._shared is not None:
+                return {**self._shared.donors.stats(), "lookups": float(self._lookups)}
             return {
                 "donors": float(len(self._namespace_of)),
                 "namespaces": float(len(self._lsh)),

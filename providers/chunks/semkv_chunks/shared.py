@@ -1,0 +1,109 @@
+"""The chunk indexes in a shared Redis store (``discovery_store: redis://...``).
+
+Layout (see ``semkv.discovery_store`` for records, TTL, LRU and failure handling), every key
+under ``{store_prefix}:chunks:c{chunk_tokens}:{namespace}:``:
+- ``p:{hash}``: the prefix index, a sorted set of donor ids whose chained hash of chunks
+  ``0..i`` is ``hash``;
+- ``s:{hash}``: the span index, members ``{first chunk index}|{donor id}`` holding the
+  position-free chunk ``hash`` (first occurrence within the donor);
+- ``d:{donor id}``: the record: ``t`` the token ids (compact bytes), ``n`` their count.
+Each posting set keeps the newest ``max_postings_per_chunk`` donors.
+
+Hashes are 64-bit BLAKE2b of the chunk's little-endian token ids (chained: of the previous
+hash and the chunk), identical in every process and Python version, unlike ``hash()``.
+
+A lookup is two round trips: every prefix and span posting set of the query's chunks, then the
+records (lengths) of the best-ranked donors, which also refreshes their TTL and LRU rank.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+from hashlib import blake2b
+
+from semkv.discovery_store import (
+    Posting,
+    RedisStore,
+    SharedDonors,
+    SharedStoreConfig,
+    pack_tokens,
+    unpack_tokens,
+)
+from semkv.provider import DonorRecord, LookupQuery
+from semkv.types import Candidate
+from semkv_chunks.runs import best_runs, candidates
+
+
+def chunk_hashes(tokens: Sequence[int], chunk: int) -> tuple[list[str], list[str]]:
+    """(position-free, chained) hex hashes of the full chunks of ``tokens``."""
+    packed = array("q", tokens)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    raw, width = packed.tobytes(), chunk * packed.itemsize
+    spans: list[str] = []
+    chained: list[str] = []
+    parent = b""
+    for i in range(len(tokens) // chunk):
+        piece = raw[i * width : (i + 1) * width]
+        spans.append(blake2b(piece, digest_size=8).hexdigest())
+        parent = blake2b(parent + piece, digest_size=8).digest()
+        chained.append(parent.hex())
+    return spans, chained
+
+
+class SharedChunks:
+    def __init__(self, config: SharedStoreConfig, chunk: int, cap: int) -> None:
+        self.chunk = chunk
+        self.store = RedisStore(config, "chunks", f"c{chunk}")
+        self.donors = SharedDonors(self.store, ["t"], self._postings_of_record, cap)
+
+    def _postings(self, qid: str, tokens: Sequence[int]) -> list[Posting]:
+        spans, chained = chunk_hashes(tokens, self.chunk)
+        out: list[Posting] = [("p:" + h, qid) for h in chained]
+        seen: set[str] = set()
+        for j, h in enumerate(spans):
+            if h not in seen:  # first occurrence within the donor
+                seen.add(h)
+                out.append(("s:" + h, f"{j}|{qid}"))
+        return out
+
+    def _postings_of_record(self, qid: str, row: list[bytes | None]) -> list[Posting]:
+        return [] if row[0] is None else self._postings(qid, unpack_tokens(row[0]))
+
+    def register(self, donor: DonorRecord) -> None:
+        qid = self.store.qualify(donor.donor_id)
+        fields = {"t": pack_tokens(donor.token_ids), "n": str(len(donor.token_ids)).encode()}
+        self.donors.register(donor.namespace, donor.donor_id, fields,
+                             self._postings(qid, donor.token_ids))
+
+    def lookup(self, query: LookupQuery) -> list[Candidate]:
+        spans, chained = chunk_hashes(query.token_ids, self.chunk)
+        if not spans:
+            return []
+        ns, n = query.namespace, len(spans)
+        rows = self.store.postings(ns, ["p:" + h for h in chained] + ["s:" + h for h in spans])
+        span_postings: list[dict[str, int]] = []
+        for members in rows[n:]:
+            posting: dict[str, int] = {}
+            for member in members:
+                pos, _, qid = member.partition("|")
+                posting.setdefault(qid, int(pos))
+            span_postings.append(posting)
+        best = best_runs(rows[:n], span_postings, self.chunk)
+        if not best:
+            return []
+        # Records of the best-ranked few: gone (expired, evicted) donors drop out here.
+        shortlist = sorted(best, key=lambda d: (-best[d].chunks, best[d].target_start, d))
+        shortlist = shortlist[: 4 * query.max_candidates]
+        records = self.store.records(ns, shortlist, ["n"], touch=True)
+        lengths = {qid: int(row[0]) for qid, row in zip(shortlist, records, strict=True)
+                   if row is not None and row[0] is not None}
+        found = candidates(best, lengths, ns, self.chunk, len(query.token_ids),
+                           query.max_candidates)
+        return [c.model_copy(update={"donor_id": self.store.local(c.donor_id)}) for c in found]
+
+
+    def close(self) -> None:
+        self.donors.close()

@@ -1,0 +1,93 @@
+"""MinHash LSH band tables in a shared Redis store (``discovery_store: redis://...``).
+
+Layout (see ``semkv.discovery_store`` for records, TTL, LRU and failure handling), every key
+under ``{store_prefix}:minhash:{variant}:{namespace}:``, where ``variant`` fingerprints
+``num_perm``, ``shingle_tokens``, ``seed`` and the band parameters (differently configured
+engines never share buckets):
+- ``b{band}:{band key hex}``: one LSH bucket, a sorted set of donor ids (the newest 256 kept);
+  band keys are datasketch's (``semkv_minhash.lsh.band_keys``), as in the in-process tables;
+- ``d:{donor id}``: the record: ``t`` the token ids, ``s`` the signature (uint32,
+  little-endian), ``h`` the number of unique shingles (for the coverage signal).
+
+A lookup is two round trips: the query's ``b`` buckets, then the candidates' signatures (which
+also refreshes their TTL and LRU rank); ranking is the in-process one (``semkv_minhash.rank``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from semkv.discovery_store import (
+    Posting,
+    RedisStore,
+    SharedDonors,
+    SharedStoreConfig,
+    pack_tokens,
+)
+from semkv.provider import DonorRecord, LookupQuery
+from semkv.types import Candidate
+from semkv_minhash.lsh import band_keys
+from semkv_minhash.rank import rank
+
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
+
+    from semkv_minhash.sketch import ShingleSketcher
+
+BUCKET_CAP = 256  # donors kept per LSH bucket (newest first)
+
+
+class SharedMinHash:
+    def __init__(self, config: SharedStoreConfig, sketcher: ShingleSketcher,
+                 params: tuple[int, int], np: Any) -> None:
+        self.sketcher, self.params, self._np = sketcher, params, np
+        variant = (f"p{sketcher.num_perm}k{sketcher.shingle_tokens}s{sketcher.seed}"
+                   f"b{params[0]}r{params[1]}")
+        self.store = RedisStore(config, "minhash", variant)
+        self.donors = SharedDonors(self.store, ["s"], self._postings_of_record, BUCKET_CAP)
+
+    def _postings(self, qid: str, signature: NDArray[np.uint32]) -> list[Posting]:
+        return [(f"b{i}:{band.hex()}", qid)
+                for i, band in enumerate(band_keys(signature, self.params))]
+
+    def _signature(self, raw: bytes) -> NDArray[np.uint32]:
+        sig: NDArray[np.uint32] = self._np.frombuffer(raw, dtype="<u4").astype(self._np.uint32)
+        return sig
+
+    def _postings_of_record(self, qid: str, row: list[bytes | None]) -> list[Posting]:
+        return [] if row[0] is None else self._postings(qid, self._signature(row[0]))
+
+    def register(self, donor: DonorRecord, hashes: NDArray[np.uint32],
+                 signature: NDArray[np.uint32]) -> None:
+        if not len(hashes):
+            self.donors.evict(donor.donor_id)  # re-registration replaces, even by nothing
+            return
+        qid = self.store.qualify(donor.donor_id)
+        fields = {"t": pack_tokens(donor.token_ids),
+                  "s": signature.astype("<u4").tobytes(),
+                  "h": str(len(hashes)).encode()}
+        self.donors.register(donor.namespace, donor.donor_id, fields,
+                             self._postings(qid, signature))
+
+    def lookup(self, query: LookupQuery, hashes: NDArray[np.uint32],
+               signature: NDArray[np.uint32]) -> list[Candidate]:
+        np, ns = self._np, query.namespace
+        buckets = self.store.postings(ns, [s for s, _ in self._postings("", signature)])
+        qids = sorted({qid for bucket in buckets for qid in bucket})
+        if not qids:
+            return []
+        rows = self.store.records(ns, qids, ["s", "h"], touch=True)
+        live: list[tuple[str, bytes, bytes]] = []
+        for qid, row in zip(qids, rows, strict=True):
+            if row is not None and row[0] is not None and row[1] is not None:
+                live.append((qid, row[0], row[1]))
+        if not live:
+            return []
+        keys = [self.store.local(qid) for qid, _, _ in live]
+        sigs = np.stack([self._signature(sig) for _, sig, _ in live])
+        sizes = np.array([float(size) for _, _, size in live], dtype=np.float64)
+        return rank(np, keys, sigs, sizes, signature, len(hashes), ns, query.max_candidates)
+
+    def close(self) -> None:
+        self.donors.close()

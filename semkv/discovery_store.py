@@ -1,0 +1,315 @@
+"""A discovery store shared by several engines: donor records and posting sets in Redis.
+
+Protocol (what a provider that opts in does; ``chunks`` and ``minhash`` do exactly this):
+- its ``Config`` inherits ``SharedStoreConfig``: ``discovery_store`` is ``"memory"`` (the
+  default: the provider's own in-process index) or ``redis://host:port/db`` (``rediss://`` for
+  TLS); when it names a server the provider builds one ``RedisStore`` and keeps its index there;
+- a donor is one record (a hash: its token ids as compact bytes plus provider fields) and any
+  number of *postings*: members of sorted sets keyed by what the provider hashes (a chunk, an
+  LSH band), scored by time so that the newest ``cap`` are kept;
+- donor ids are qualified by the registering instance (``instance/donor_id``): the ids of this
+  instance's own donors come back unqualified, other instances' donors qualified, and
+  ``DonorProvider.donor_tokens`` gives their token ids to the host's verifier;
+- every key is ``{store_prefix}:{provider}:{variant}:{namespace}:...``: the namespace is part
+  of every key (a lookup only ever reads its own namespace's keys) and ``variant`` fingerprints
+  the provider settings that change the keys (two differently configured fleets never mix);
+- donors expire: each record has a TTL (``donor_ttl_s``, refreshed when a lookup returns it)
+  and each namespace keeps at most ``max_donors`` (least recently registered or returned are
+  evicted first, by whichever instance registers past the bound);
+- failure: every call runs under the socket timeouts set from ``store_timeout_ms`` (reads) and
+  ``store_write_timeout_ms`` (writes), with no retries; a connection error or a timeout raises
+  ``DiscoveryStoreUnavailable`` and opens a breaker for ``store_retry_s`` during which calls
+  fail at once (no socket touched). The host's ``GuardedProvider`` turns a raised lookup into a
+  ``provider_error`` fallback (normal prefill) and counts failed registrations; when the
+  server returns, the next call after the breaker closes succeeds and registration resumes.
+  ``RedisStore.counters`` counts errors, timeouts and calls refused by the open breaker.
+
+``redis`` (redis-py) is imported when a store is built, never at module import.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import time
+import uuid
+from array import array
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+INSTALL_HINT = "pip install redis (built-in providers: pip install 'semkv-chunks[redis]')"
+_URL = re.compile(r"^(redis|rediss)://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+)(:\d{1,5})?(/\d{1,2})?$")
+
+Posting = tuple[str, str]  # (key suffix, member)
+
+
+class DiscoveryStoreUnavailable(ConnectionError):
+    """The shared store did not answer in time (or is known to be down)."""
+
+
+class SharedStoreConfig(BaseModel):
+    """``provider_config`` keys of a provider that can keep its index in a shared store."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    discovery_store: str = Field(default="memory", description=(
+        "Where the discovery index lives: 'memory' (this process) or 'redis://host:port/db' "
+        "(shared by every engine that names the same server and store_prefix)."))
+    donor_ttl_s: float = Field(default=86_400.0, gt=0.0, description=(
+        "Shared store: a donor not registered or returned by a lookup for this long expires."))
+    max_donors: int = Field(default=100_000, ge=1, description=(
+        "Shared store: donors kept per namespace; past it the least recently used go first."))
+    store_timeout_ms: float = Field(default=25.0, gt=0.0, le=60_000.0, description=(
+        "Shared store: socket timeout of a lookup's round trip (a lookup makes two); keep "
+        "2 x this under the host's lookup_timeout_ms."))
+    store_write_timeout_ms: float = Field(default=1_000.0, gt=0.0, le=60_000.0, description=(
+        "Shared store: socket timeout of registrations and evictions (off the request path)."))
+    store_retry_s: float = Field(default=1.0, ge=0.0, le=3_600.0, description=(
+        "Shared store: after a failure, calls fail at once for this long, then retry."))
+    store_prefix: str = Field(default="semkv", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description=(
+        "Shared store: first part of every key (separates deployments on one server)."))
+    instance_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$", description=(
+        "Shared store: this engine's name in donor ids (default: random per process)."))
+
+    @field_validator("discovery_store")
+    @classmethod
+    def _store_url(cls, value: str) -> str:
+        if value != "memory" and not _URL.match(value):
+            raise ValueError("discovery_store must be 'memory' or redis[s]://host[:port][/db]")
+        return value
+
+    @property
+    def shared(self) -> bool:
+        return self.discovery_store != "memory"
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as 4 bytes each (8 when one does not fit), little-endian, with a type tag."""
+    code = "I" if all(0 <= t < 2**32 for t in tokens) else "q"
+    packed = array(code, tokens)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return code.encode() + packed.tobytes()
+
+
+def unpack_tokens(raw: bytes) -> tuple[int, ...]:
+    packed = array(chr(raw[0]))
+    packed.frombytes(raw[1:])
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return tuple(packed)
+
+
+class RedisStore:
+    """Donor records, an LRU per namespace and posting sets of one provider in Redis.
+
+    Thread-safe (redis-py's connection pool); every method may raise
+    ``DiscoveryStoreUnavailable``.
+    """
+
+    def __init__(self, config: SharedStoreConfig, provider: str, variant: str) -> None:
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError as exc:
+            raise ImportError(f"discovery_store={config.discovery_store!r} needs redis-py: "
+                              f"{INSTALL_HINT}") from exc
+        self.config = config
+        self.instance = config.instance_id or uuid.uuid4().hex[:12]
+        self._base = f"{config.store_prefix}:{provider}:{variant}"
+        self._errors: tuple[type[BaseException], ...] = (
+            redis.ConnectionError, redis.TimeoutError, OSError)
+
+        def client(timeout_ms: float) -> Any:
+            return redis.Redis.from_url(
+                config.discovery_store, socket_timeout=timeout_ms / 1e3,
+                socket_connect_timeout=timeout_ms / 1e3, retry=Retry(NoBackoff(), 0),
+                health_check_interval=0)
+
+        self._read: Any = client(config.store_timeout_ms)
+        self._write: Any = client(config.store_write_timeout_ms)
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        self.counters: Counter[str] = Counter()
+
+    # -- names ---------------------------------------------------------------------------------
+    def key(self, namespace: str, suffix: str) -> str:
+        return f"{self._base}:{namespace}:{suffix}"
+
+    def qualify(self, donor_id: str) -> str:
+        return f"{self.instance}/{donor_id}"
+
+    def local(self, qid: str) -> str:
+        """The host's id of a stored donor: unqualified when this instance registered it."""
+        own = self.instance + "/"
+        return qid[len(own):] if qid.startswith(own) else qid
+
+    def stored(self, donor_id: str) -> str:
+        """The stored id of a host id: qualified unless it names another instance's donor."""
+        return donor_id if "/" in donor_id else self.qualify(donor_id)
+
+    # -- calls under the breaker ---------------------------------------------------------------
+    def _run(self, write: bool, fill: Callable[[Any], None]) -> list[Any]:
+        if time.monotonic() < self._down_until:
+            self.counters["store_refused"] += 1
+            raise DiscoveryStoreUnavailable("discovery store marked down; retrying later")
+        pipe = (self._write if write else self._read).pipeline(transaction=False)
+        fill(pipe)
+        try:
+            result: list[Any] = pipe.execute()
+        except self._errors as exc:
+            timeout = "Timeout" in type(exc).__name__ or isinstance(exc, TimeoutError)
+            self.counters["store_timeouts" if timeout else "store_errors"] += 1
+            with self._lock:
+                self._down_until = time.monotonic() + self.config.store_retry_s
+            raise DiscoveryStoreUnavailable(type(exc).__name__) from exc
+        return result
+
+    def read(self, fill: Callable[[Any], None]) -> list[Any]:
+        return self._run(False, fill)
+
+    def write(self, fill: Callable[[Any], None]) -> list[Any]:
+        return self._run(True, fill)
+
+    # -- donors --------------------------------------------------------------------------------
+    def add(self, namespace: str, qid: str, fields: dict[str, bytes], postings: list[Posting],
+            cap: int) -> list[str]:
+        """Store a donor and its postings; returns the stored ids pushed out by ``max_donors``."""
+        ttl = max(1, int(self.config.donor_ttl_s))
+        now = time.time()
+        lru = self.key(namespace, "lru")
+
+        def fill(p: Any) -> None:
+            record = self.key(namespace, "d:" + qid)
+            p.delete(record)
+            p.hset(record, mapping=fields)
+            p.expire(record, ttl)
+            for suffix, member in postings:
+                k = self.key(namespace, suffix)
+                p.zadd(k, {member: now})
+                p.zremrangebyrank(k, 0, -cap - 1)
+                p.expire(k, ttl)
+            p.zadd(lru, {qid: now})
+            p.zremrangebyscore(lru, "-inf", now - ttl)
+            p.expire(lru, ttl)
+            p.zcard(lru)
+
+        size = int(self.write(fill)[-1])
+        over = size - self.config.max_donors
+        if over <= 0:
+            return []
+        popped = self.write(lambda p: p.zpopmin(lru, over))[0]
+        self.counters["store_lru_evictions"] += len(popped)
+        return [m.decode() if isinstance(m, bytes) else str(m) for m, _ in popped]
+
+    def records(self, namespace: str, qids: Sequence[str], fields: Sequence[str], *,
+                touch: bool = False) -> list[list[bytes | None] | None]:
+        """Fields of each donor record (None: expired or evicted); ``touch`` marks them used."""
+        ttl = max(1, int(self.config.donor_ttl_s))
+        now = time.time()
+
+        def fill(p: Any) -> None:
+            for qid in qids:
+                p.hmget(self.key(namespace, "d:" + qid), list(fields))
+            if touch:
+                for qid in qids:
+                    p.expire(self.key(namespace, "d:" + qid), ttl)
+                    p.zadd(self.key(namespace, "lru"), {qid: now}, xx=True)
+
+        got = self.read(fill)[: len(qids)] if qids else []
+        return [None if row[0] is None else list(row) for row in got]
+
+    def remove(self, namespace: str, qid: str, postings: list[Posting]) -> None:
+        def fill(p: Any) -> None:
+            for suffix, member in postings:
+                p.zrem(self.key(namespace, suffix), member)
+            p.delete(self.key(namespace, "d:" + qid))
+            p.zrem(self.key(namespace, "lru"), qid)
+
+        self.write(fill)
+
+    def postings(self, namespace: str, suffixes: Sequence[str]) -> list[list[str]]:
+        """Members of each posting set, newest first (one round trip)."""
+        def fill(p: Any) -> None:
+            for suffix in suffixes:
+                p.zrevrange(self.key(namespace, suffix), 0, -1)
+
+        rows = self.read(fill) if suffixes else []
+        return [[m.decode() for m in row] for row in rows]
+
+    def close(self) -> None:
+        for client in (self._read, self._write):
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - closing a dead connection is no error
+                pass
+
+
+class SharedDonors:
+    """The register / evict / reset / donor-tokens flow of a provider over a ``RedisStore``.
+
+    The provider supplies ``postings_of(stored id, fields)``: the postings of a stored donor,
+    from the record fields named by ``key_fields`` (e.g. the token ids), so that replacing,
+    evicting or LRU-dropping a donor removes exactly what registering it added. Writes are
+    serialized.
+    """
+
+    def __init__(self, store: RedisStore, key_fields: Sequence[str],
+                 postings_of: Callable[[str, list[bytes | None]], list[Posting]],
+                 cap: int) -> None:
+        self.store = store
+        self.key_fields = list(key_fields)
+        self.postings_of = postings_of
+        self.cap = cap
+        self._own: dict[str, str] = {}  # this instance's donor id -> namespace
+        self._lock = threading.Lock()
+
+    def register(self, namespace: str, donor_id: str, fields: dict[str, bytes],
+                 postings: list[Posting]) -> None:
+        store = self.store
+        with self._lock:
+            old = self._own.pop(donor_id, None)
+            if old is not None:
+                self._drop(old, [store.qualify(donor_id)])
+            popped = store.add(namespace, store.qualify(donor_id), fields, postings, self.cap)
+            self._own[donor_id] = namespace
+            if popped:
+                self._drop(namespace, popped)
+                for qid in popped:
+                    self._own.pop(store.local(qid), None)
+
+    def _drop(self, namespace: str, qids: list[str]) -> None:
+        rows = self.store.records(namespace, qids, self.key_fields)
+        for qid, row in zip(qids, rows, strict=True):
+            self.store.remove(namespace, qid, [] if row is None else self.postings_of(qid, row))
+
+    def evict(self, donor_id: str) -> None:
+        with self._lock:
+            namespace = self._own.pop(donor_id, None)
+            if namespace is not None:
+                self._drop(namespace, [self.store.qualify(donor_id)])
+
+    def reset(self) -> None:
+        """Forget this instance's donors (other instances' donors stay theirs)."""
+        with self._lock:
+            own, self._own = self._own, {}
+            for donor_id, namespace in own.items():
+                self._drop(namespace, [self.store.qualify(donor_id)])
+
+    def tokens(self, donor_id: str, namespace: str) -> tuple[int, ...] | None:
+        row = self.store.records(namespace, [self.store.stored(donor_id)], ["t"])[0]
+        return None if row is None or row[0] is None else unpack_tokens(row[0])
+
+    def stats(self) -> dict[str, float]:
+        out = {k: float(v) for k, v in self.store.counters.items()}
+        out["own_donors"] = float(len(self._own))
+        out["shared_store"] = 1.0
+        return out
+
+    def close(self) -> None:
+        self.store.close()
