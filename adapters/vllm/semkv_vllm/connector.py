@@ -139,7 +139,8 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
                 # NOTE: vLLM calls this hook from its model runner's initialize_kv_cache: the
                 # engine's loaded model is one frame up (semkv_vllm.models explains why).
                 self._worker.realizer = SpanRealizer.build(
-                    find_engine_model(), self._worker.layout, kv_caches, self._worker.store)
+                    find_engine_model(), self._worker.layout, kv_caches, self._worker.store,
+                    self.config)
                 self._worker.report_realize = True
                 log.info("span_realization", available=self._worker.realizer is not None)
 

@@ -1,8 +1,9 @@
 """What the scheduler-side connector tells the workers each step, and what they answer.
 
 NOTE: everything here is plain data (ints and strings) so it pickles cheaply across vLLM's
-process boundary. Block and slot numbers travel; token ids only for the gap tokens a
-``RealizeOp`` computes (as vLLM's own ``SchedulerOutput`` carries prompt ids to the workers).
+process boundary. Block and slot numbers travel; token ids only for the span tokens a
+``RealizeOp`` may compute (its gaps, and the copied tokens its recompute strategy may select),
+as vLLM's own ``SchedulerOutput`` carries prompt ids to the workers.
 Nothing here is ever logged.
 """
 
@@ -14,6 +15,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
+
+from semkv.realize.recompute import RecomputeStrategy
 
 
 @dataclass
@@ -54,10 +57,12 @@ class RealizeOp:
     """Realize a request's external span ``[local_tokens, span_tokens)`` into its blocks.
 
     The worker fills the span's KV from the request's own local prefix (``local_block_ids``),
-    the ``copies`` (donor KV, keys re-rotated where positions differ) and computes every other
-    span position (``gap_positions``, whose ids are ``gap_token_ids``) through the engine's
-    model, then writes ``block_ids`` (the span's blocks). Always asynchronous: the request
-    waits for its KV while others run.
+    the ``copies`` (donor KV, keys re-rotated where positions differ), computes every other
+    span position (``gap_positions``) and the copied positions ``recompute`` selects
+    (``semkv.realize.recompute``; blend's fraction is of ``prompt_tokens``) through the
+    engine's model, then writes ``block_ids`` (the span's blocks). ``token_ids`` are the ids
+    at ``token_positions``: every position the strategy may compute. Always asynchronous: the
+    request waits for its KV while others run.
     """
 
     request_id: str
@@ -67,7 +72,13 @@ class RealizeOp:
     block_ids: list[int]
     copies: list[CopySource]
     gap_positions: list[int]
-    gap_token_ids: list[int]
+    token_positions: list[int]
+    token_ids: list[int]
+    recompute: RecomputeStrategy = field(default_factory=RecomputeStrategy)
+    prompt_tokens: int = 0  # the tokens being prefilled
+
+    def token_map(self) -> dict[int, int]:
+        return dict(zip(self.token_positions, self.token_ids, strict=True))
 
 
 @dataclass
@@ -98,6 +109,8 @@ class SemkvWorkerMetadata(KVConnectorWorkerMetadata):
     layout_known: bool | None = None
     # Reported once by each worker: can it realize spans (layout known, model supported)?
     can_realize: bool | None = None
+    # Per realized request: copied tokens its recompute strategy computed through every layer.
+    recomputed: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, SemkvWorkerMetadata)
@@ -107,9 +120,12 @@ class SemkvWorkerMetadata(KVConnectorWorkerMetadata):
             rid: min(self.loaded_blocks.get(rid, 0), other.loaded_blocks.get(rid, 0))
             for rid in self.loaded_blocks.keys() | other.loaded_blocks.keys()
         }
+        # Every rank recomputes the same positions (the ranking is summed over ranks).
+        recomputed = {rid: max(self.recomputed.get(rid, 0), other.recomputed.get(rid, 0))
+                      for rid in self.recomputed.keys() | other.recomputed.keys()}
         return SemkvWorkerMetadata(merged, self.failed | other.failed,
                                    _all(self.layout_known, other.layout_known),
-                                   _all(self.can_realize, other.can_realize))
+                                   _all(self.can_realize, other.can_realize), recomputed)
 
 
 def _all(a: bool | None, b: bool | None) -> bool | None:

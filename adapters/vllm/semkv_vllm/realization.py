@@ -6,12 +6,14 @@ Protocol (driven by ``WorkerSide``):
   layer runner for the engine's model (``semkv_vllm.models``), the page layout probed from the
   engine's cache-write kernel, and which paged cache belongs to which decoder layer. None, with
   the reason logged, when the model or the layout is not supported: the scheduler is told and
-  answers such requests ``unsupported_request``.
+  answers such requests ``unsupported_request``. With ``config``, ``recompute_probe_layers`` is
+  checked against the model's layers there (``ConfigError`` naming the key).
 - ``submit(op)`` in ``start_load_kv``: the op runs on one background thread
   (``semkv-realize``). It reads the request's local prefix blocks and the pinned donor-store
   slots into a dense ``KVCache`` of the span, places the copies (keys re-rotated), and computes
-  the gaps through every layer (``semkv.realize.span``): vLLM keeps stepping other requests
-  meanwhile, because the request waits in WAITING_FOR_REMOTE_KVS.
+  the gaps through every layer plus the copied tokens the op's recompute strategy selects
+  (``semkv.realize.recompute``, the code research's strategies run): vLLM keeps stepping other
+  requests meanwhile, because the request waits in WAITING_FOR_REMOTE_KVS.
 - ``harvest(finished)`` in ``get_finished`` (main thread, between steps): writes each finished
   realization's span into the request's blocks and reports it received, or reports its blocks
   invalid when it failed (vLLM recomputes them under ``kv_load_failure_policy: recompute``).
@@ -45,9 +47,11 @@ from typing import Any
 
 import torch
 
+from semkv.config import SemkvConfig, check_probe_layers
 from semkv.log import get_logger
 from semkv.realize import KVCache
-from semkv.realize.span import compute, place
+from semkv.realize.recompute import recompute
+from semkv.realize.span import place
 from semkv_vllm.metadata import RealizeOp
 from semkv_vllm.page_layout import PageLayout
 
@@ -69,6 +73,7 @@ class Realized:
     cache: KVCache | None
     error: str | None
     seconds: float
+    recomputed: tuple[int, ...] = ()  # copied positions computed through every layer
 
 
 class SpanRealizer:
@@ -82,10 +87,12 @@ class SpanRealizer:
         self._pool: ThreadPoolExecutor | None = None
         self._running: dict[str, Future[Realized]] = {}
         self._switch_interval: float | None = None  # the interpreter's, while lowered
+        self.reduce = _tensor_parallel_sum()  # blend ranks by the deviation over all ranks
 
     @classmethod
     def build(cls, model: Any, layout: PageLayout | None, kv_caches: dict[str, torch.Tensor],
-              store: dict[str, torch.Tensor]) -> SpanRealizer | None:
+              store: dict[str, torch.Tensor], config: SemkvConfig | None = None,
+              ) -> SpanRealizer | None:
         from semkv_vllm.models import UnsupportedModelError, runner_for
 
         if model is None or layout is None:
@@ -98,6 +105,8 @@ class SpanRealizer:
         except UnsupportedModelError as exc:
             log.warning("realization_unavailable", why=str(exc))
             return None
+        if config is not None:
+            check_probe_layers(config, runner.num_layers)  # start-up, not per request
         names = []
         for layer in runner.model.model.layers:
             name = getattr(layer.self_attn.attn, "layer_name", None)
@@ -156,12 +165,12 @@ class SpanRealizer:
     def _run(self, op: RealizeOp) -> Realized:
         started = time.perf_counter()
         try:
-            cache = self._realize(op)
+            cache, recomputed = self._realize(op)
         except Exception as exc:  # noqa: BLE001 - any failure becomes a recompute
             return Realized(op, None, type(exc).__name__, time.perf_counter() - started)
-        return Realized(op, cache, None, time.perf_counter() - started)
+        return Realized(op, cache, None, time.perf_counter() - started, tuple(recomputed))
 
-    def _realize(self, op: RealizeOp) -> KVCache:
+    def _realize(self, op: RealizeOp) -> tuple[KVCache, list[int]]:
         runner = self.runner
         cache = runner.empty_cache(op.span_tokens)
         bs = self.layout.block_size
@@ -191,8 +200,12 @@ class SpanRealizer:
             fault_after = _fault_after_layers()
             if fault_after is not None:
                 self._fail_midway(cache, op, fault_after)
-            compute(runner, cache, op.gap_token_ids, op.gap_positions)
-        return cache
+            # Gaps always, plus what the strategy selects; blend's probe pass and continuation
+            # are one run_layers call each.
+            done = recompute(runner, cache, range(op.local_tokens, op.span_tokens),
+                             [(c.target_start, c.length) for c in op.copies], op.token_map(),
+                             op.recompute, op.prompt_tokens, reduce=self.reduce)
+        return cache, done.recomputed
 
     def _read(self, name: str, slots: torch.Tensor, picked: torch.Tensor,
               local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,8 +233,29 @@ class SpanRealizer:
         layers = min(after, self.runner.num_layers)
         if op.gap_positions and layers:
             at = torch.as_tensor(op.gap_positions, dtype=torch.long, device=self.runner.device)
-            self.runner.run_layers(cache, self.runner.embed(op.gap_token_ids), at, range(layers))
+            ids = op.token_map()
+            self.runner.run_layers(cache, self.runner.embed([ids[p] for p in op.gap_positions]),
+                                   at, range(layers))
         raise InjectedRealizationFault(f"injected after {layers} layers")
+
+
+def _tensor_parallel_sum() -> Any:
+    """vLLM's all-reduce over the tensor-parallel group when there is one (else None).
+
+    Each rank holds some heads: blend's per-position deviation must be summed over all of them
+    so that every rank selects the same positions (the projections all-reduce per call).
+    NOTE: unexercised on the CPU engine (one rank).
+    """
+    try:
+        from vllm.distributed import (
+            get_tensor_model_parallel_world_size,
+            tensor_model_parallel_all_reduce,
+        )
+
+        return tensor_model_parallel_all_reduce if get_tensor_model_parallel_world_size() > 1 \
+            else None
+    except Exception:  # noqa: BLE001 - no parallel state (a bare test runner): one rank
+        return None
 
 
 def _fault_after_layers() -> int | None:

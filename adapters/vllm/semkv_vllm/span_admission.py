@@ -14,8 +14,11 @@ Protocol (``SchedulerSide._decide`` calls ``plan`` after admission judged the ca
 The answer is a ``SemanticKVMatch`` of tier ``verified`` (identical tokens, other context),
 ``REQUEST_ONLY``, asynchronous: the worker computes the gaps off the engine step.
 
+The hold carries the recompute strategy (``recompute_*`` keys, ``semkv.realize.recompute``):
+the ``RealizeOp`` names it, and carries the ids of every span token it may compute.
+
 NOTE: plans and matches hold positions and counts only; token ids stay in the scheduler, except
-the gap tokens a ``RealizeOp`` carries to the worker.
+the span tokens a ``RealizeOp`` may compute (gaps, and copied tokens the strategy may select).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from semkv.admission import DonorView
 from semkv.config import SemkvConfig
 from semkv.leases import LeaseTable, UnknownDonorError
+from semkv.realize.recompute import RecomputeKind, RecomputeStrategy, needed_positions
 from semkv.span_plan import SpanPlan, plan_span
 from semkv.types import (
     CachePolicy,
@@ -46,6 +50,7 @@ class SpanHold:
     plan: SpanPlan
     lease_ids: list[str] = field(default_factory=list)
     copies: list[CopySource] = field(default_factory=list)
+    recompute: RecomputeStrategy = field(default_factory=RecomputeStrategy)
 
     @property
     def slots(self) -> list[int]:
@@ -56,9 +61,20 @@ class SpanHold:
         bs = self.plan.block_size
         local, span = self.plan.local_tokens, self.plan.span_tokens
         gaps = [p for s in self.plan.segments if s.is_gap for p in range(s.target_start, s.end)]
+        runs = [(s.target_start, s.length) for s in self.plan.segments if not s.is_gap]
+        needed = needed_positions(range(local, span), runs, self.recompute)
         return RealizeOp(request_id, local, span, list(block_ids[: local // bs]),
                          list(block_ids[local // bs: span // bs]), list(self.copies), gaps,
-                         [int(token_ids[p]) for p in gaps])
+                         needed, [int(token_ids[p]) for p in needed], self.recompute,
+                         len(token_ids))
+
+
+def strategy_of(config: SemkvConfig) -> RecomputeStrategy:
+    """The recompute strategy the ``recompute_*`` keys configure."""
+    return RecomputeStrategy(RecomputeKind(config.recompute_strategy),
+                             fraction=config.recompute_fraction,
+                             first_k=config.recompute_first_k,
+                             probe_layers=config.recompute_probe_layers)
 
 
 class SpanAdmission:
@@ -89,7 +105,7 @@ class SpanAdmission:
             return FallbackReason.LOW_REUSE_TOKENS
         if exact is not None and exact.external_prefix_tokens >= plan.copied_tokens:
             return FallbackReason.EXACT_PREFIX_SUFFICIENT  # the exact match serves as much
-        hold = SpanHold(plan)
+        hold = SpanHold(plan, recompute=strategy_of(self.config))
         if not self._hold(hold):
             self.release(hold)
             return FallbackReason.DONOR_STALE

@@ -71,6 +71,7 @@ class WorkerSide:
         self._finished_recving: set[str] = set()
         self._invalid_blocks: set[int] = set()
         self._loaded: dict[str, int] = {}
+        self._recomputed: dict[str, int] = {}  # realized requests: copied tokens recomputed
         self._failed: set[str] = set()
         self._failed_counted: set[str] = set()  # one materialize_failed per request and step
         self.report_layout = False  # set when token-level loads are configured
@@ -200,6 +201,7 @@ class WorkerSide:
                 self._fail_realize(op, type(exc).__name__)
                 return
         self._loaded[op.request_id] = len(op.block_ids)
+        self._recomputed[op.request_id] = len(done.recomputed)
         self.stats.inc("loaded_blocks", amount=len(op.block_ids))
         self._finished_recving.add(op.request_id)
 
@@ -316,6 +318,8 @@ class WorkerSide:
             realize, self.report_realize = self.realizer is not None, False
         if not self._loaded and not self._failed and layout is None and realize is None:
             return None
-        meta = SemkvWorkerMetadata(dict(self._loaded), set(self._failed), layout, realize)
+        meta = SemkvWorkerMetadata(dict(self._loaded), set(self._failed), layout, realize,
+                                   dict(self._recomputed))
         self._loaded, self._failed, self._failed_counted = {}, set(), set()
+        self._recomputed = {}
         return meta
