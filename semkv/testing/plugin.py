@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -17,6 +18,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="append",
         default=[],
         help="run the semkv provider contract against this installed provider (repeatable)",
+    )
+    group.addoption(
+        "--semkv-provider-config",
+        default="{}",
+        help="provider_config (JSON) for providers built by name, e.g. "
+        '\'{"discovery_store": "redis://127.0.0.1:6379/0"}\' to run the kit on a shared store',
     )
 
 
@@ -41,6 +48,11 @@ def semkv_corpus() -> SyntheticCorpus:
 
 
 @pytest.fixture
-def semkv_provider_config() -> dict[str, Any]:
-    """Override to hand ``provider_config`` to providers built by name."""
-    return {}
+def semkv_provider_config(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """``provider_config`` for providers built by name (``--semkv-provider-config``); override
+    it to hand options from code. A shared store gets a private key space per build
+    (``semkv.testing.stores.isolated``)."""
+    config = json.loads(request.config.getoption("semkv_provider_config") or "{}")
+    if not isinstance(config, dict):
+        raise pytest.UsageError("--semkv-provider-config must be a JSON object")
+    return config

@@ -9,6 +9,7 @@ import pytest
 
 from semkv.provider import DonorProvider, ProviderContext
 from semkv.testing.contract import ProviderContract
+from semkv.testing.stores import isolated
 
 
 class TestInstalledProvider(ProviderContract):
@@ -22,4 +23,4 @@ class TestInstalledProvider(ProviderContract):
         from semkv.plugins import get_provider_class
 
         cls = get_provider_class(semkv_provider_name)
-        return lambda: cls.from_config(semkv_provider_config, semkv_context)
+        return lambda: cls.from_config(isolated(semkv_provider_config), semkv_context)
