@@ -116,7 +116,7 @@ def plugin_versions() -> list[dict[str, str | bool]]:
     ``testing_only`` marks fault injectors, refused unless ``SEMKV_ALLOW_FAULT_INJECTION=1``.
     """
     pm = plugin_manager()
-    rows = []
+    rows: list[dict[str, str | bool]] = []
     for plugin_name, plugin in pm.list_name_plugin():
         dist = _dists.get(plugin_name)
         names: list[tuple[str, type[DonorProvider]]] = []

@@ -64,13 +64,15 @@ def llm() -> Iterator[Any]:
 
     before, threads = os.environ.get(IN_PROCESS), torch.get_num_threads()
     os.environ[IN_PROCESS] = "0"
-    engine = LLM(model=str(ensure_model()), dtype="float32", kv_cache_memory_bytes=256 << 20,
-                 max_model_len=2048, block_size=BLOCK, enforce_eager=True,
-                 enable_prefix_caching=True, seed=0)
-    try:
+    engine = None
+    try:  # NOTE: the environment is restored even when the engine fails to start
+        engine = LLM(model=str(ensure_model()), dtype="float32",
+                     kv_cache_memory_bytes=256 << 20, max_model_len=2048, block_size=BLOCK,
+                     enforce_eager=True, enable_prefix_caching=True, seed=0)
         yield engine
     finally:
-        engine.llm_engine.engine_core.shutdown()
+        if engine is not None:
+            engine.llm_engine.engine_core.shutdown()
         if before is None:
             os.environ.pop(IN_PROCESS, None)
         else:

@@ -172,7 +172,7 @@ class SpanRealizer:
 
     def _realize(self, op: RealizeOp) -> tuple[KVCache, list[int]]:
         runner = self.runner
-        cache = runner.empty_cache(op.span_tokens)
+        cache: KVCache = runner.empty_cache(op.span_tokens)
         bs = self.layout.block_size
         # One gather per layer for every copy (and one for the local prefix): each torch call
         # made here waits for the GIL the engine's own loop holds, so calls are few and large.
