@@ -14,8 +14,8 @@ Protocol (what a provider that opts in does; ``chunks`` and ``minhash`` do exact
   of every key (a lookup only ever reads its own namespace's keys) and ``variant`` fingerprints
   the provider settings that change the keys (two differently configured fleets never mix);
 - donors expire: each record has a TTL (``donor_ttl_s``, refreshed when a lookup returns it)
-  and each namespace keeps at most ``max_donors`` (least recently registered or returned are
-  evicted first, by whichever instance registers past the bound);
+  and each namespace keeps at most ``store_max_donors`` (least recently registered or found
+  by a lookup are evicted first, by whichever instance registers past the bound);
 - failure: every call runs under the socket timeouts set from ``store_timeout_ms`` (reads) and
   ``store_write_timeout_ms`` (writes), with no retries; a connection error or a timeout raises
   ``DiscoveryStoreUnavailable`` and opens a breaker for ``store_retry_s`` during which calls
@@ -60,8 +60,8 @@ class SharedStoreConfig(BaseModel):
         "Where the discovery index lives: 'memory' (this process) or 'redis://host:port/db' "
         "(shared by every engine that names the same server and store_prefix)."))
     donor_ttl_s: float = Field(default=86_400.0, gt=0.0, description=(
-        "Shared store: a donor not registered or returned by a lookup for this long expires."))
-    max_donors: int = Field(default=100_000, ge=1, description=(
+        "Shared store: a donor not registered or found by a lookup for this long expires."))
+    store_max_donors: int = Field(default=100_000, ge=1, description=(
         "Shared store: donors kept per namespace; past it the least recently used go first."))
     store_timeout_ms: float = Field(default=25.0, gt=0.0, le=60_000.0, description=(
         "Shared store: socket timeout of a lookup's round trip (a lookup makes two); keep "
@@ -150,7 +150,9 @@ class RedisStore:
         return qid[len(own):] if qid.startswith(own) else qid
 
     def stored(self, donor_id: str) -> str:
-        """The stored id of a host id: qualified unless it names another instance's donor."""
+        """The stored id of a host id: qualified unless it names another instance's donor.
+
+        NOTE: host donor ids never contain ``/`` (the vLLM adapter's are ``d{n}``)."""
         return donor_id if "/" in donor_id else self.qualify(donor_id)
 
     # -- calls under the breaker ---------------------------------------------------------------
@@ -179,7 +181,7 @@ class RedisStore:
     # -- donors --------------------------------------------------------------------------------
     def add(self, namespace: str, qid: str, fields: dict[str, bytes], postings: list[Posting],
             cap: int) -> list[str]:
-        """Store a donor and its postings; returns the stored ids pushed out by ``max_donors``."""
+        """Store a donor and its postings; returns the stored ids pushed out by the LRU bound."""
         ttl = max(1, int(self.config.donor_ttl_s))
         now = time.time()
         lru = self.key(namespace, "lru")
@@ -200,7 +202,7 @@ class RedisStore:
             p.zcard(lru)
 
         size = int(self.write(fill)[-1])
-        over = size - self.config.max_donors
+        over = size - self.config.store_max_donors
         if over <= 0:
             return []
         popped = self.write(lambda p: p.zpopmin(lru, over))[0]

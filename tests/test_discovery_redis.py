@@ -66,6 +66,22 @@ def _ids(provider: DonorProvider, tokens: tuple[int, ...], ns: str = NS_A) -> li
     return [c.donor_id for c in provider.lookup(query)]
 
 
+def test_same_answers_as_in_memory(build: Build, docs: list[tuple[int, ...]]) -> None:
+    shared = build("engine-a")
+    memory = type(shared).from_config({}, ProviderContext(block_size=16))
+    # Exact, shifted (a new lead-in before a donor), partial and unrelated targets.
+    targets = [docs[0], docs[5][:64] + docs[1], docs[2][:128] + docs[6][:128], docs[7]]
+    try:
+        for i, doc in enumerate(docs[:5]):
+            for provider in (shared, memory):
+                provider.register_donor(_donor(f"d{i}", doc))
+        for tokens in targets:
+            query = LookupQuery(request_id="q", namespace=NS_A, token_ids=tokens)
+            assert shared.lookup(query) == memory.lookup(query)
+    finally:
+        memory.close()
+
+
 def test_another_instance_discovers_a_donor(build: Build, docs: list[tuple[int, ...]]) -> None:
     a, b = build("engine-a"), build("engine-b")
     a.register_donor(_donor("d1", docs[0]))
@@ -108,8 +124,8 @@ def test_evict_and_reset_touch_own_donors_only(build: Build, docs: list[tuple[in
 
 
 def test_lru_bound_and_ttl(build: Build, docs: list[tuple[int, ...]]) -> None:
-    a = build("engine-a", max_donors=3)
-    b = build("engine-b", max_donors=3)
+    a = build("engine-a", store_max_donors=3)
+    b = build("engine-b", store_max_donors=3)
     for i in range(4):
         a.register_donor(_donor(f"d{i}", docs[i]))
     b.register_donor(_donor("d4", docs[4]))  # any engine's registration trims the namespace
