@@ -172,9 +172,12 @@ class WorkerSide:
         return source, deltas
 
     # -- realized spans ---------------------------------------------------------------------
+    def _stale(self, op: RealizeOp) -> bool:
+        return any(self.slot_generation[s] != g for c in op.copies
+                   for s, g in zip(c.slots, c.generations, strict=True))
+
     def _start_realize(self, op: RealizeOp) -> None:
-        stale = any(self.slot_generation[s] != g for c in op.copies
-                    for s, g in zip(c.slots, c.generations, strict=True))
+        stale = self._stale(op)
         if self.realizer is None or stale:
             self._fail_realize(op, "stale_slot" if stale else "realization_unavailable")
             return
@@ -193,6 +196,13 @@ class WorkerSide:
         if done.error is not None:
             self._fail_realize(op, done.error)
             return
+        # NOTE: slots are pinned for the realization, but an engine reset unpins everything and
+        # later saves may have rewritten a slot while it was read: then the KV is not the donor's.
+        if op.copies:
+            self.drain_saves()
+            if self._stale(op):
+                self._fail_realize(op, "slot_rewritten")
+                return
         if op.request_id not in finished:  # aborted meanwhile: vLLM frees its blocks after this
             try:
                 assert self.realizer is not None
