@@ -45,6 +45,7 @@ INSTALL_HINT = "pip install redis (built-in providers: pip install 'semkv-chunks
 _URL = re.compile(r"^(redis|rediss)://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+)(:\d{1,5})?(/\d{1,2})?$")
 
 Posting = tuple[str, str]  # (key suffix, member)
+Row = list[bytes | None]  # the requested fields of one donor record
 
 
 class DiscoveryStoreUnavailable(ConnectionError):
@@ -210,8 +211,12 @@ class RedisStore:
         return [m.decode() if isinstance(m, bytes) else str(m) for m, _ in popped]
 
     def records(self, namespace: str, qids: Sequence[str], fields: Sequence[str], *,
-                touch: bool = False) -> list[list[bytes | None] | None]:
-        """Fields of each donor record (None: expired or evicted); ``touch`` marks them used."""
+                touch: bool = False, refresh: Sequence[str] = ()) -> list[Row | None]:
+        """Fields of each donor record (None: expired or evicted), in one round trip.
+
+        ``touch``: the donors were found by a lookup: their records' TTL and LRU rank are
+        renewed, and so is the TTL of the posting sets named in ``refresh`` (those the lookup
+        found them through), so that a donor in use stays discoverable."""
         ttl = max(1, int(self.config.donor_ttl_s))
         now = time.time()
 
@@ -222,6 +227,8 @@ class RedisStore:
                 for qid in qids:
                     p.expire(self.key(namespace, "d:" + qid), ttl)
                     p.zadd(self.key(namespace, "lru"), {qid: now}, xx=True)
+                for suffix in refresh:
+                    p.expire(self.key(namespace, suffix), ttl)
 
         got = self.read(fill)[: len(qids)] if qids else []
         return [None if row[0] is None else list(row) for row in got]

@@ -138,6 +138,17 @@ def test_lru_bound_and_ttl(build: Build, docs: list[tuple[int, ...]]) -> None:
     assert _ids(short, docs[5]) == []
 
 
+def test_a_donor_in_use_outlives_its_ttl(build: Build, docs: list[tuple[int, ...]]) -> None:
+    a = build("engine-a", donor_ttl_s=2.0)
+    a.register_donor(_donor("used", docs[0]))
+    a.register_donor(_donor("idle", docs[1]))
+    time.sleep(1.2)
+    assert _ids(a, docs[0]) == ["used"]  # found: its record and matched postings renewed
+    time.sleep(1.4)  # 2.6 s after registration
+    assert _ids(a, docs[0]) == ["used"]
+    assert _ids(a, docs[1]) == []
+
+
 def test_config_is_validated() -> None:
     cls = get_provider_class("chunks")
     context = ProviderContext(block_size=16)

@@ -13,7 +13,8 @@ Hashes are 64-bit BLAKE2b of the chunk's little-endian token ids (chained: of th
 hash and the chunk), identical in every process and Python version, unlike ``hash()``.
 
 A lookup is two round trips: every prefix and span posting set of the query's chunks, then the
-records (lengths) of the best-ranked donors, which also refreshes their TTL and LRU rank.
+records (lengths) of the best-ranked donors, which also renews their TTL and LRU rank and the
+TTL of the posting sets that matched.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class SharedChunks:
         if not spans:
             return []
         ns, n = query.namespace, len(spans)
-        rows = self.store.postings(ns, ["p:" + h for h in chained] + ["s:" + h for h in spans])
+        suffixes = ["p:" + h for h in chained] + ["s:" + h for h in spans]
+        rows = self.store.postings(ns, suffixes)
         span_postings: list[dict[str, int]] = []
         for members in rows[n:]:
             posting: dict[str, int] = {}
@@ -97,7 +99,8 @@ class SharedChunks:
         # Records of the best-ranked few: gone (expired, evicted) donors drop out here.
         shortlist = sorted(best, key=lambda d: (-best[d].chunks, best[d].target_start, d))
         shortlist = shortlist[: 4 * query.max_candidates]
-        records = self.store.records(ns, shortlist, ["n"], touch=True)
+        found_in = [suffix for suffix, members in zip(suffixes, rows, strict=True) if members]
+        records = self.store.records(ns, shortlist, ["n"], touch=True, refresh=found_in)
         lengths = {qid: int(row[0]) for qid, row in zip(shortlist, records, strict=True)
                    if row is not None and row[0] is not None}
         found = candidates(best, lengths, ns, self.chunk, len(query.token_ids),

@@ -10,7 +10,8 @@ engines never share buckets):
   little-endian), ``h`` the number of unique shingles (for the coverage signal).
 
 A lookup is two round trips: the query's ``b`` buckets, then the candidates' signatures (which
-also refreshes their TTL and LRU rank); ranking is the in-process one (``semkv_minhash.rank``).
+also renews their TTL and LRU rank and the matched buckets' TTL); ranking is the in-process
+one (``semkv_minhash.rank``).
 """
 
 from __future__ import annotations
@@ -73,11 +74,13 @@ class SharedMinHash:
     def lookup(self, query: LookupQuery, hashes: NDArray[np.uint32],
                signature: NDArray[np.uint32]) -> list[Candidate]:
         np, ns = self._np, query.namespace
-        buckets = self.store.postings(ns, [s for s, _ in self._postings("", signature)])
+        suffixes = [s for s, _ in self._postings("", signature)]
+        buckets = self.store.postings(ns, suffixes)
         qids = sorted({qid for bucket in buckets for qid in bucket})
         if not qids:
             return []
-        rows = self.store.records(ns, qids, ["s", "h"], touch=True)
+        found_in = [suffix for suffix, bucket in zip(suffixes, buckets, strict=True) if bucket]
+        rows = self.store.records(ns, qids, ["s", "h"], touch=True, refresh=found_in)
         live: list[tuple[str, bytes, bytes]] = []
         for qid, row in zip(qids, rows, strict=True):
             if row is not None and row[0] is not None and row[1] is not None:
