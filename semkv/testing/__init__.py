@@ -15,7 +15,10 @@ or run it against installed providers by name, with no code at all::
     pytest --pyargs semkv.testing --semkv-provider my_provider
 
 The fixtures (``semkv_context``, ``semkv_corpus``) come from the pytest plugin that semkv
-registers under the ``pytest11`` entry point.
+registers under the ``pytest11`` entry point. A provider that can keep its index in a shared
+discovery store runs the same contract there too (``--semkv-provider-config
+'{"discovery_store": "redis://..."}'``); each build gets a private key space
+(``semkv.testing.stores.isolated``).
 """
 
 from semkv.testing.contract import ProviderContract
