@@ -137,7 +137,8 @@ PRESETS: dict[str, BenchConfig] = {
         kinds=_QUICK_KINDS, clusters_per_type=1, target_tokens=640, max_tokens=16,
         concurrency=1),
     # Every cluster kind, both peer providers, a throughput phase at concurrency 4: 2,106 s on
-    # the 2-core machine (docs/bench.md has its results).
+    # the 2-core machine (docs/bench.md has its results), measured before multi_passage_rag and
+    # cross_instruction_task_first existed: they now add 4 targets and 9 donors to it.
     "full": BenchConfig(
         preset="full",
         arms=("disabled", "discovery_only:chunks", "discovery_only:minhash",
@@ -146,7 +147,10 @@ PRESETS: dict[str, BenchConfig] = {
         kinds=tuple(c.value for c in ClusterKind), clusters_per_type=2, target_tokens=768,
         max_tokens=32, concurrency=4),
     # Realized spans against the exact tier and the token swap, on the kinds a span plan
-    # serves plus controls: REALIZED_ESTIMATE below (extrapolated from a measured small run).
+    # serves plus controls; 16 targets, 19 donors. `--clusters 1` took 689 s on the shared
+    # 2-core machine (load 1-7); this preset (2 clusters) is est. ~20 min at that load, ~11 min
+    # on a quiet machine (the disabled arm's miss phase ran ~8x slower under load than the
+    # realized arm's: most of the 689 s is load). 32 output tokens as the full preset.
     "realized": BenchConfig(
         preset="realized",
         arms=("disabled", "materialize_exact:chunks", "materialize_semantic:minhash",

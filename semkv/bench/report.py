@@ -181,9 +181,10 @@ def plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     markers = "os^vDP*Xh"
     for i, kind in enumerate(kinds):
         rs = [r for r in rows if r["kind"] == kind and r["arm"] != "disabled"]
-        ax.scatter([r["loaded_tokens"] / max(r["prompt_tokens"], 1) for r in rs],
+        # donor tokens: a realized span's computed gaps are loaded but not reused
+        ax.scatter([r["donor_tokens"] / max(r["prompt_tokens"], 1) for r in rs],
                    [r["rouge_l"] for r in rs], label=kind, marker=markers[i % len(markers)], s=24)
-    ax.set(xlabel="reused fraction of the prompt (engine-confirmed loaded tokens)",
+    ax.set(xlabel="reused fraction of the prompt (engine-confirmed donor tokens)",
            ylabel="ROUGE-L vs cold output", ylim=(-0.05, 1.05),
            title="Quality vs reuse per cluster type (all non-baseline arms)")
     ax.legend(fontsize=7)
