@@ -28,7 +28,7 @@ CONNECTOR = {"kv_connector": "SemanticKVConnector",
              "kv_connector_module_path": "semkv_vllm.connector",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 # Histogram sums: semkv's own time (scheduler lookups + admission; worker saves and loads;
-# span realizations, which run off the engine step but hold the request until they finish).
+# span realizations' compute, which the request waits for before its first token).
 _SECONDS = ("vllm:semkv_lookup_seconds", "vllm:semkv_save_seconds", "vllm:semkv_load_seconds",
             "vllm:semkv_realize_seconds")
 
