@@ -101,7 +101,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     bench = sub.add_parser(
         "bench", help="speed and quality of every mode and provider on the vLLM CPU engine")
     bench.add_argument("--preset", default="quick",
-                       help="quick (9 min measured on 2 shared cores) or full (est. 20-30 min)")
+                       help="quick (9 min measured on 2 shared cores), full (est. 20-30 min) or "
+                            "realized (realized spans beside the exact tier, est. 11-20 min)")
     bench.add_argument("--arms", nargs="+", help="override the preset's arms (see semkv.bench)")
     bench.add_argument("--kinds", nargs="+", help="override the preset's cluster kinds")
     bench.add_argument("--clusters", type=int, help="clusters per cluster type")

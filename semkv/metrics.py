@@ -60,9 +60,9 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
                           (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)),
     "load_seconds": ("Worker time per step copying donor KV into engine blocks (all-at-once).",
                      (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)),
-    "realize_seconds": ("Worker time realizing one span (reads, re-rotation, gap compute), off "
-                        "the engine step.", (1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
-                                             2.5, 5.0, 10.0)),
+    "realize_seconds": ("Worker compute time of one realized span (reads, re-rotation, gap "
+                        "compute), spread over engine steps.",
+                        (1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)),
     "request_external_tokens": ("External tokens reported per admitted request.", _TOKENS),
     "request_loaded_tokens": ("Tokens actually loaded per request (worker-confirmed).", _TOKENS),
     "request_similarity": ("Served tokens identical to the target's own, per admitted request.",

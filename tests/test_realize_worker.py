@@ -24,7 +24,7 @@ class FakeRealizer:
     def submit(self, op: RealizeOp) -> None:
         self.pending.append(Realized(op, cache=object(), error=None, seconds=0.01))  # type: ignore[arg-type]
 
-    def harvest(self, *, wait: bool = False, wait_s: float = 0.0) -> list[Realized]:
+    def advance(self, *, idle: bool = False, finish: bool = False) -> list[Realized]:
         done, self.pending = self.pending, []
         return done
 

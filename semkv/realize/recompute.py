@@ -31,13 +31,13 @@ Protocol: ``recompute(runner, cache, positions, copied, token_ids, strategy, pro
 Returns ``Recomputed``: the final pass's hidden states, the passes ``(layers, positions)`` (the
 input of research's FLOPs estimate) and the copied positions computed through every layer.
 
-NOTE: few, large torch calls (one probe pass, one continuation): the engine's worker runs this
-on a background thread that waits for the GIL after every call (``semkv_vllm.realization``).
+NOTE: ``recompute_steps`` is the same computation one layer per step: the engine's worker
+advances it between engine steps on its own main thread (``semkv_vllm.realization``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -140,37 +140,64 @@ def recompute(runner: LayerRunner, cache: KVCache, positions: range, copied: Run
               token_ids: Mapping[int, int], strategy: RecomputeStrategy, prompt_tokens: int,
               *, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Recomputed:
     """Compute the gaps of ``positions`` and the copied positions ``strategy`` selects."""
+    steps = recompute_steps(runner, cache, positions, copied, token_ids, strategy,
+                            prompt_tokens, reduce=reduce)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as finished:
+            result: Recomputed = finished.value
+            return result
+
+
+def recompute_steps(runner: LayerRunner, cache: KVCache, positions: range, copied: Runs,
+                    token_ids: Mapping[int, int], strategy: RecomputeStrategy,
+                    prompt_tokens: int, *,
+                    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                    ) -> Generator[int, None, Recomputed]:
+    """``recompute`` one layer at a time: yields the tokens each layer computed; returns the
+    result. The engine's worker advances it between steps on its main thread (no thread runs
+    beside vLLM's forward); running it to the end is exactly ``recompute``."""
     copied_set = set(copied_positions(copied))
     if not copied_set <= set(positions):
         raise ValueError("a copied run lies outside the realized positions")
     gaps = [p for p in positions if p not in copied_set]
-    with torch.no_grad():
-        if strategy.kind is RecomputeKind.BLEND and len(positions):
-            return _blend(runner, cache, positions, sorted(copied_set), gaps, token_ids,
-                          strategy, prompt_tokens, reduce)
-        chosen = set(gaps)
-        if strategy.kind is RecomputeKind.FIRST_K:
-            chosen |= set(first_k_positions(copied, strategy.first_k))
-        at = sorted(chosen)
-        layers = range(runner.num_layers)
-        if not at:
-            return Recomputed(None, [(layers, [])], [])
-        hidden = runner.run_layers(cache, runner.embed([token_ids[p] for p in at]),
-                                   torch.tensor(at, dtype=torch.long))
-        return Recomputed(hidden, [(layers, at)], [p for p in at if p in copied_set])
+    if strategy.kind is RecomputeKind.BLEND and len(positions):
+        return (yield from _blend(runner, cache, positions, sorted(copied_set), gaps,
+                                  token_ids, strategy, prompt_tokens, reduce))
+    chosen = set(gaps)
+    if strategy.kind is RecomputeKind.FIRST_K:
+        chosen |= set(first_k_positions(copied, strategy.first_k))
+    at = sorted(chosen)
+    layers = range(runner.num_layers)
+    if not at:
+        return Recomputed(None, [(layers, [])], [])
+    hidden = yield from _layers(runner, cache, runner.embed([token_ids[p] for p in at]),
+                                torch.tensor(at, dtype=torch.long), layers)
+    return Recomputed(hidden, [(layers, at)], [p for p in at if p in copied_set])
+
+
+def _layers(runner: LayerRunner, cache: KVCache, hidden: torch.Tensor, at: torch.Tensor,
+            layers: range) -> Generator[int, None, torch.Tensor]:
+    """``run_layers`` over ``layers``, one layer per step (the same calls, in the same order)."""
+    for layer in layers:
+        with torch.no_grad():
+            hidden = runner.run_layers(cache, hidden, at, range(layer, layer + 1))
+        yield int(at.numel())
+    return hidden
 
 
 def _blend(runner: LayerRunner, cache: KVCache, positions: range, copied: list[int],
            gaps: list[int], token_ids: Mapping[int, int], strategy: RecomputeStrategy,
            prompt_tokens: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None,
-           ) -> Recomputed:
+           ) -> Generator[int, None, Recomputed]:
     lo, hi = positions.start, positions.stop
     probe = min(strategy.probe_layers, runner.num_layers)
     old_k = [cache.keys[layer][0, :, lo:hi].clone() for layer in range(probe)]
     old_v = [cache.values[layer][0, :, lo:hi].clone() for layer in range(probe)]
     everyone = list(positions)
-    hidden = runner.run_layers(cache, runner.embed([token_ids[p] for p in everyone]),
-                               torch.arange(lo, hi), range(probe))
+    hidden = yield from _layers(runner, cache, runner.embed([token_ids[p] for p in everyone]),
+                                torch.arange(lo, hi), range(probe))
     passes: Passes = [(range(probe), everyone)]
     if probe == runner.num_layers:  # the probe already computed every layer for everyone
         return Recomputed(hidden, passes, copied)
@@ -182,5 +209,5 @@ def _blend(runner: LayerRunner, cache: KVCache, positions: range, copied: list[i
     if not chosen:
         return Recomputed(None, passes, [])
     index = torch.tensor(chosen, dtype=torch.long)
-    out = runner.run_layers(cache, hidden[:, index - lo], index, rest)
+    out = yield from _layers(runner, cache, hidden[:, index - lo], index, rest)
     return Recomputed(out, passes, top)

@@ -1,4 +1,4 @@
-"""Worker side of span realization: a ``RealizeOp`` executed off the engine step.
+"""Worker side of span realization: a ``RealizeOp`` advanced between engine steps.
 
 Protocol (driven by ``WorkerSide``):
 
@@ -8,40 +8,37 @@ Protocol (driven by ``WorkerSide``):
   the reason logged, when the model or the layout is not supported: the scheduler is told and
   answers such requests ``unsupported_request``. With ``config``, ``recompute_probe_layers`` is
   checked against the model's layers there (``ConfigError`` naming the key).
-- ``submit(op)`` in ``start_load_kv``: the op runs on one background thread
-  (``semkv-realize``). It reads the request's local prefix blocks and the pinned donor-store
-  slots into a dense ``KVCache`` of the span, places the copies (keys re-rotated), and computes
-  the gaps through every layer plus the copied tokens the op's recompute strategy selects
-  (``semkv.realize.recompute``, the code research's strategies run): vLLM keeps stepping other
-  requests meanwhile, because the request waits in WAITING_FOR_REMOTE_KVS.
-- ``harvest(finished)`` in ``get_finished`` (main thread, between steps): writes each finished
-  realization's span into the request's blocks and reports it received, or reports its blocks
-  invalid when it failed (vLLM recomputes them under ``kv_load_failure_policy: recompute``).
-  In a step that scheduled no token (nothing else to run) it first waits a little for one.
+- ``submit(op)`` in ``start_load_kv``: the op becomes a job. Its first step reads the request's
+  local prefix blocks and the pinned donor-store slots into a dense ``KVCache`` of the span and
+  places the copies (keys re-rotated); every later step runs one layer of the span's gaps plus
+  the copied tokens the op's recompute strategy selects (``semkv.realize.recompute_steps``, the
+  code research's strategies run). The request waits in WAITING_FOR_REMOTE_KVS meanwhile.
+- ``advance(idle=...)`` in ``get_finished`` (main thread, after the step's forward): advances
+  the oldest jobs by ``TOKEN_LAYERS_PER_STEP`` token-layers (at least one layer), or every job
+  to its end in a step that scheduled no token; returns the finished ones, which the worker
+  writes into the request's blocks and reports received, or reports invalid when they failed
+  (vLLM recomputes them under ``kv_load_failure_policy: recompute``).
 
-NOTE: the engine's loop is Python and holds the GIL between its own torch calls; a background
-thread that needs the GIL back after each torch call waits up to the interpreter's switch
-interval (5 ms) every time: measured 27 s instead of 0.3 s for a 900-token span while vLLM's
-loop spun with nothing to schedule. So the realization makes few, large torch calls, the switch
-interval is lowered to ``SWITCH_INTERVAL_S`` while a realization is in flight (restored after),
-and idle steps wait on the realization (the GIL is free while they wait).
-
-NOTE: the background thread writes only its own dense cache; the paged blocks are written on
-the main thread, after the step's forward and before the request can be scheduled again.
+NOTE: nothing runs beside vLLM's forward. A background thread did first, and failed twice: (1)
+the engine's loop is Python and holds the GIL between its torch calls, so the thread waited up
+to the 5 ms switch interval after each of its calls (27 s instead of 0.3 s for a 900-token span
+while vLLM's loop spun idle); (2) it called the same layers' oneDNN matmul handles as the
+forward, concurrently, and the worker died once with SIGSEGV. Stepping on the main thread
+between forwards has neither problem, keeps tensor-parallel ranks in lockstep (every rank
+advances by the same plan-determined amount, so the projections' all-reduces pair up), and
+bounds what a realization adds to a busy step: ``TOKEN_LAYERS_PER_STEP`` (an eighth of what
+one 1,024-token prefill chunk computes in a step).
+NOTE: the paged blocks are written between steps, before the request can be scheduled again.
 vLLM frees the blocks of a request that finished while waiting for remote KV only after we
-report it received, so no block is ever reused under a realization.
-NOTE: blocks read in the background are immutable while it runs: the local prefix blocks are
-full blocks held by the request, and the donor slots are pinned for it (saves are drained
-before it starts).
+report it received, so no block is ever reused under a realization. The donor slots read are
+pinned for it; the worker re-validates them before writing (``worker.py``).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
-from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +47,7 @@ import torch
 from semkv.config import SemkvConfig, check_probe_layers
 from semkv.log import get_logger
 from semkv.realize import KVCache
-from semkv.realize.recompute import recompute
+from semkv.realize.recompute import recompute_steps
 from semkv.realize.span import place
 from semkv_vllm.metadata import RealizeOp
 from semkv_vllm.page_layout import PageLayout
@@ -59,8 +56,9 @@ log = get_logger("semkv.vllm.realization")
 # Fault injection (tests and chaos runs, with SEMKV_ALLOW_FAULT_INJECTION=1): fail every
 # realization after this many layers have been computed.
 FAULT_AFTER_LAYERS = "SEMKV_FAULT_REALIZE_AFTER_LAYERS"
-SWITCH_INTERVAL_S = 1e-4
-IDLE_WAIT_S = 0.05
+# What a realization may compute in one busy engine step: tokens x layers (deterministic, so
+# tensor-parallel ranks advance alike). 1/8 of a 1,024-token prefill chunk of 30 layers.
+TOKEN_LAYERS_PER_STEP = 4096
 
 
 class InjectedRealizationFault(RuntimeError):
@@ -76,6 +74,13 @@ class Realized:
     recomputed: tuple[int, ...] = ()  # copied positions computed through every layer
 
 
+@dataclass
+class _Job:
+    op: RealizeOp
+    steps: Generator[int, None, tuple[KVCache, list[int]]]
+    busy: float = 0.0  # seconds actually spent computing it
+
+
 class SpanRealizer:
     def __init__(self, runner: Any, layout: PageLayout, layer_names: list[str],
                  kv_caches: dict[str, torch.Tensor], store: dict[str, torch.Tensor]) -> None:
@@ -84,9 +89,7 @@ class SpanRealizer:
         self.layer_names = layer_names  # decoder layer i -> its paged cache's name
         self.kv_caches = kv_caches
         self.store = store
-        self._pool: ThreadPoolExecutor | None = None
-        self._running: dict[str, Future[Realized]] = {}
-        self._switch_interval: float | None = None  # the interpreter's, while lowered
+        self._jobs: list[_Job] = []
         self.reduce = _tensor_parallel_sum()  # blend ranks by the deviation over all ranks
 
     @classmethod
@@ -116,33 +119,40 @@ class SpanRealizer:
             names.append(name)
         return cls(runner, layout, names, kv_caches, store)
 
-    # -- main thread -----------------------------------------------------------------------
+    # -- between steps (main thread) -------------------------------------------------------
     def submit(self, op: RealizeOp) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="semkv-realize")
-        if self._switch_interval is None:
-            self._switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(SWITCH_INTERVAL_S, self._switch_interval))
-        self._running[op.request_id] = self._pool.submit(self._run, op)
+        self._jobs.append(_Job(op, self._steps(op)))
 
     @property
     def in_flight(self) -> int:
-        return len(self._running)
+        return len(self._jobs)
 
-    def harvest(self, *, wait: bool = False, wait_s: float = 0.0) -> list[Realized]:
-        """Realizations that finished (all of them with ``wait``; up to ``wait_s`` for one)."""
-        if wait_s > 0 and self._running:
-            futures.wait(list(self._running.values()), timeout=wait_s,
-                         return_when=futures.FIRST_COMPLETED)
-        done = []
-        for rid, future in list(self._running.items()):
-            if wait or future.done():
-                done.append(future.result())  # _run never raises
-                del self._running[rid]
-        if not self._running and self._switch_interval is not None:
-            sys.setswitchinterval(self._switch_interval)
-            self._switch_interval = None
+    def advance(self, *, idle: bool = False, finish: bool = False) -> list[Realized]:
+        """Advance the oldest jobs by one step's budget (all of them to their end when ``idle``
+        or ``finish``); returns the realizations that ended, in submission order."""
+        done: list[Realized] = []
+        budget = TOKEN_LAYERS_PER_STEP
+        for job in list(self._jobs):
+            if budget <= 0 and not (idle or finish):
+                break
+            started = time.perf_counter()
+            try:
+                while idle or finish or budget > 0:
+                    budget -= max(next(job.steps), 1)
+            except StopIteration as end:
+                cache, recomputed = end.value
+                done.append(self._ended(job, started, cache, tuple(recomputed), None))
+            except Exception as exc:  # noqa: BLE001 - any failure becomes a recompute
+                done.append(self._ended(job, started, None, (), type(exc).__name__))
+            else:
+                job.busy += time.perf_counter() - started
         return done
+
+    def _ended(self, job: _Job, started: float, cache: KVCache | None,
+               recomputed: tuple[int, ...], error: str | None) -> Realized:
+        self._jobs.remove(job)
+        busy = job.busy + time.perf_counter() - started
+        return Realized(job.op, cache, error, busy, recomputed)
 
     def write(self, realized: Realized) -> None:
         """The span's KV into the request's blocks (main thread, between steps)."""
@@ -156,26 +166,14 @@ class SpanRealizer:
             self.layout.write(kv, op.block_ids, keys, values)
 
     def shutdown(self) -> None:
-        self.harvest(wait=True)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self._jobs.clear()  # the engine is going away: nothing will read these blocks
 
-    # -- background thread -----------------------------------------------------------------
-    def _run(self, op: RealizeOp) -> Realized:
-        started = time.perf_counter()
-        try:
-            cache, recomputed = self._realize(op)
-        except Exception as exc:  # noqa: BLE001 - any failure becomes a recompute
-            return Realized(op, None, type(exc).__name__, time.perf_counter() - started)
-        return Realized(op, cache, None, time.perf_counter() - started, tuple(recomputed))
-
-    def _realize(self, op: RealizeOp) -> tuple[KVCache, list[int]]:
+    # -- one job, step by step -------------------------------------------------------------
+    def _steps(self, op: RealizeOp) -> Generator[int, None, tuple[KVCache, list[int]]]:
         runner = self.runner
         cache: KVCache = runner.empty_cache(op.span_tokens)
         bs = self.layout.block_size
-        # One gather per layer for every copy (and one for the local prefix): each torch call
-        # made here waits for the GIL the engine's own loop holds, so calls are few and large.
+        # One gather per layer for every copy (and one for the local prefix).
         slots = torch.as_tensor([s for c in op.copies for s in c.slots], dtype=torch.long)
         rows, positions, deltas = [], [], []
         base = 0
@@ -197,14 +195,15 @@ class SpanRealizer:
                 values.append(v)
             place(cache, runner.rotator if bool(moved.any()) else None, at, keys, values, moved)
             del keys, values
-            fault_after = _fault_after_layers()
-            if fault_after is not None:
-                self._fail_midway(cache, op, fault_after)
-            # Gaps always, plus what the strategy selects; blend's probe pass and continuation
-            # are one run_layers call each.
-            done = recompute(runner, cache, range(op.local_tokens, op.span_tokens),
-                             [(c.target_start, c.length) for c in op.copies], op.token_map(),
-                             op.recompute, op.prompt_tokens, reduce=self.reduce)
+        yield 0
+        fault_after = _fault_after_layers()
+        if fault_after is not None:
+            self._fail_midway(cache, op, fault_after)
+        # Gaps always, plus what the strategy selects, one layer per step.
+        done = yield from recompute_steps(
+            runner, cache, range(op.local_tokens, op.span_tokens),
+            [(c.target_start, c.length) for c in op.copies], op.token_map(), op.recompute,
+            op.prompt_tokens, reduce=self.reduce)
         return cache, done.recomputed
 
     def _read(self, name: str, slots: torch.Tensor, picked: torch.Tensor,

@@ -14,9 +14,10 @@ known layout (or a needed shift without a RopeShift) such a load fails and is re
 NOTE: saves start in ``wait_for_save``, after the whole forward, and only cover blocks whose
 every token was computed by the end of this step (the scheduler guarantees it), so chunked
 prefill never stores a partial block.
-NOTE: realized spans (``RealizeOp``, non-prefix reuse) run on their own background thread
-(``realization.py``): submitted in ``start_load_kv``, written into the request's blocks and
-reported received in ``take_finished_recving`` (between steps), or reported invalid.
+NOTE: realized spans (``RealizeOp``, non-prefix reuse) are advanced between steps on the main
+thread (``realization.py``): submitted in ``start_load_kv``, computed a bounded amount per
+step in ``take_finished_recving`` (all of it in a step that scheduled no token), then written
+into the request's blocks and reported received, or reported invalid.
 NOTE: with ``async_save`` the copy runs on one background thread, off the step's critical path
 (the first token is sampled and sent while it runs). It reads blocks that are complete and
 still owned by their request, which nothing rewrites until vLLM frees and reallocates them; a
@@ -39,7 +40,7 @@ from semkv.metrics import CounterBag
 from semkv_vllm.block_copy import allocate_store, copy_blocks
 from semkv_vllm.metadata import LoadOp, RealizeOp, SaveOp, SemkvMetadata, SemkvWorkerMetadata
 from semkv_vllm.page_layout import PageLayout
-from semkv_vllm.realization import IDLE_WAIT_S, Realized, SpanRealizer
+from semkv_vllm.realization import Realized, SpanRealizer
 from semkv_vllm.rope import RopeShift
 
 log = get_logger("semkv.vllm.worker")
@@ -187,7 +188,7 @@ class WorkerSide:
         if self.realizer is None:
             return
         idle = self._meta is not None and self._meta.idle
-        for done in self.realizer.harvest(wait=wait, wait_s=IDLE_WAIT_S if idle else 0.0):
+        for done in self.realizer.advance(idle=idle, finish=wait):
             self._finish_realize(done, finished)
 
     def _finish_realize(self, done: Realized, finished: set[str]) -> None:
