@@ -67,7 +67,7 @@ class SemkvConfig(BaseSettings):
     realize_spans: bool = Field(default=True, description=(
         "materialize_semantic's verified tier realizes the span: identical tokens copied from "
         "one or more donors (keys re-rotated), every other span token computed through the "
-        "engine's model, off the engine step. False: one donor's KV over the span (token swap)."))
+        "engine's model between engine steps. False: one donor's KV over the span (token swap)."))
     # Selective recompute inside a realized span (semkv.realize.recompute). "none" until the
     # quality-vs-recompute frontier of issue #17 is measured on the engine.
     recompute_strategy: Literal["none", "first_k", "blend"] = Field(default="none", description=(
