@@ -9,8 +9,9 @@ Each round runs three phases, their order rotating per round so drift hits all a
 - ``B`` (realize): the same decodes; once each has ``--warm`` tokens, ``--targets`` RAG
   targets are submitted together. Their donors (one passage each) were served beforehand and
   then dropped from vLLM's prefix cache (``reset_prefix_cache``), so each target is realized:
-  it waits in WAITING_FOR_REMOTE_KVS while the worker's ``semkv-realize`` thread copies donor
-  KV and computes the gaps. Checked per target: ``provenance == request_only_semantic_reuse``.
+  it waits in WAITING_FOR_REMOTE_KVS while the worker copies donor KV and computes the gaps
+  between engine steps (a bounded amount per busy step). Checked per target:
+  ``provenance == request_only_semantic_reuse``.
 - ``C`` (cold control): the same decodes and targets with semkv's store emptied
   (``reset_prefix_cache(reset_connector=True)``): plain prefills (``fallback_recompute``,
   ``provider_miss``).
