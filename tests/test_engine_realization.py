@@ -149,6 +149,18 @@ def rag_cluster(llm: Any, seed: int, kind: str = "multi_passage_rag") -> tuple[l
     return [p.text for p in wl.donors], wl.targets[0].text
 
 
+def cold_then_donors(llm: Any, donors: list[str], target: str) -> Any:
+    """The target's cold output (nothing stored), then the donors served and forgotten by vLLM's
+    prefix cache but kept in semkv's store: the target's next run can only be realized."""
+    llm.reset_prefix_cache(reset_connector=True)
+    cold = run(llm, target)
+    llm.reset_prefix_cache(reset_connector=True)  # the target must not be its own donor
+    for d in donors:
+        run(llm, d, max_tokens=1)
+    llm.reset_prefix_cache()
+    return cold
+
+
 def engine_kv(llm: Any, ids: list[int]) -> list[tuple[Any, Any]]:
     """Per layer (K, V) ``[tokens, heads, D]`` that vLLM's own prefill wrote for ``ids``."""
     from vllm import SamplingParams
@@ -201,11 +213,7 @@ def test_copies_at_their_own_positions_plus_gaps_equal_cold(llm, recorder):
     shared, first_end, second_end = essay_prompts(3, chars=1800, seed=12)
     donor = shared + "\n\n" + first_end[:900] + "\n\nQuestion: what is argued?\nAnswer:"
     target = shared + "\n\n" + second_end[:900] + "\n\nQuestion: who is the author?\nAnswer:"
-    llm.reset_prefix_cache(reset_connector=True)
-    cold = run(llm, target)
-    llm.reset_prefix_cache(reset_connector=True)
-    run(llm, donor, max_tokens=1)
-    llm.reset_prefix_cache()
+    cold = cold_then_donors(llm, [donor], target)
     warm = run(llm, target)
     s = summary(warm)
     assert s["provenance"] == "request_only_semantic_reuse", s
@@ -217,12 +225,7 @@ def test_copies_at_their_own_positions_plus_gaps_equal_cold(llm, recorder):
 @pytest.fixture(scope="module")
 def rag(llm, recorder) -> dict[str, Any]:
     donors, target = rag_cluster(llm, seed=5)
-    llm.reset_prefix_cache(reset_connector=True)
-    cold = run(llm, target)
-    llm.reset_prefix_cache(reset_connector=True)
-    for d in donors:
-        run(llm, d, max_tokens=1)
-    llm.reset_prefix_cache()
+    cold = cold_then_donors(llm, donors, target)
     before = semkv_metrics(llm)
     warm = run(llm, target, logprobs=5)
     after = semkv_metrics(llm)
@@ -265,12 +268,7 @@ def test_engine_and_research_give_the_same_next_token_distribution(llm, rag, res
 
 def test_a_realization_failing_midway_ends_in_a_recompute_equal_to_cold(llm, recorder):
     donors, target = rag_cluster(llm, seed=23)
-    llm.reset_prefix_cache(reset_connector=True)
-    cold = run(llm, target)
-    llm.reset_prefix_cache(reset_connector=True)
-    for d in donors:
-        run(llm, d, max_tokens=1)
-    llm.reset_prefix_cache()
+    cold = cold_then_donors(llm, donors, target)
     os.environ[FAULT_AFTER_LAYERS] = "3"
     try:
         warm = run(llm, target)
@@ -286,12 +284,7 @@ def test_a_realization_failing_midway_ends_in_a_recompute_equal_to_cold(llm, rec
 def serve(llm: Any, recorder: Recorder, donors: list[str], target: str,
           strategy: RecomputeStrategy) -> dict[str, Any]:
     """Cold, then the donors, then the target realized under ``strategy``."""
-    llm.reset_prefix_cache(reset_connector=True)
-    cold = run(llm, target)
-    llm.reset_prefix_cache(reset_connector=True)
-    for d in donors:
-        run(llm, d, max_tokens=1)
-    llm.reset_prefix_cache()
+    cold = cold_then_donors(llm, donors, target)
     before = semkv_metrics(llm)
     recorder.recompute = strategy
     try:

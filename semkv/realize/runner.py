@@ -38,6 +38,17 @@ class KeyRotator(Protocol):
         ...
 
 
+def check_positions(positions: torch.Tensor, capacity: int) -> int:
+    """``run_layers``' contract on ``positions`` (non-empty): strictly increasing, inside the
+    cache. Returns the context length (last position + 1) the queries attend over."""
+    if positions.numel() > 1 and bool((positions[1:] <= positions[:-1]).any()):
+        raise ValueError("positions must increase strictly")
+    context = int(positions[-1]) + 1
+    if context > capacity:
+        raise ValueError("positions reach past the cache capacity")
+    return context
+
+
 @runtime_checkable
 class LayerRunner(Protocol):
     num_layers: int

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from semkv.realize.cache import KVCache
+from semkv.realize.runner import check_positions
 from semkv.research.rope import RopeRotator
 
 # KVCache lives in semkv.realize (shared with the engine's layer runner); re-exported here.
@@ -103,11 +104,7 @@ class LayerwiseModel:
         positions = positions.to(device=self.device, dtype=torch.long)
         if positions.numel() == 0:
             return hidden
-        if positions.numel() > 1 and bool((positions[1:] <= positions[:-1]).any()):
-            raise ValueError("positions must increase strictly")
-        context = int(positions[-1]) + 1
-        if context > cache.capacity:
-            raise ValueError("positions reach past the cache capacity")
+        context = check_positions(positions, cache.capacity)
         key_positions = torch.arange(context, device=self.device)
         # Causal by position: a query sees every cached key at or before its own position.
         blocked = key_positions[None, :] > positions[:, None]

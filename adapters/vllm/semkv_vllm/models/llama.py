@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from semkv.realize import KVCache
+from semkv.realize.runner import check_positions
 from semkv_vllm.rope import RopeShift
 
 
@@ -151,11 +152,7 @@ class LlamaLayerRunner:
         positions = positions.to(device=self.device, dtype=torch.long)
         if positions.numel() == 0:
             return hidden
-        if positions.numel() > 1 and bool((positions[1:] <= positions[:-1]).any()):
-            raise ValueError("positions must increase strictly")
-        context = int(positions[-1]) + 1
-        if context > cache.capacity:
-            raise ValueError("positions reach past the cache capacity")
+        context = check_positions(positions, cache.capacity)
         # Strictly increasing and ending at context - 1 with context entries: exactly 0..n-1,
         # where torch's own causal flag is the mask (and the cheapest path).
         prefix = positions.numel() == context
