@@ -249,6 +249,9 @@ def test_shifted_multi_donor_realization_runs_end_to_end(llm, rag):
     # REQUEST_ONLY: the realized blocks never became prefix-cache state
     again = summary(run(llm, rag["target"], max_tokens=1))
     assert again["local_prefix_tokens"] == 0, "a realized block was committed"
+    # every donor lease and slot pin of the realizations was released (leak = bug)
+    side = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+    assert side.leases.live_count() == 0 and side.index.pinned_slots() == 0
 
 
 def test_engine_and_research_give_the_same_next_token_distribution(llm, rag, research_lm):

@@ -318,14 +318,14 @@ class SchedulerSide:
         return lo // self.bs, (hi - 1) // self.bs - lo // self.bs + 1
 
     def _release(self, st: RequestState) -> None:
-        if st.decision is not None and st.decision.donor_lease_id:
-            self.leases.release(st.decision.donor_lease_id)
-        if st.pinned:
-            self.index.unpin(st.pinned)
-        if st.span is not None:
+        if st.span is not None:  # a realization holds every lease and pin in its SpanHold
             assert self.spans is not None
             self.spans.release(st.span)
             st.span = None
+        elif st.decision is not None and st.decision.donor_lease_id:
+            self.leases.release(st.decision.donor_lease_id)
+        if st.pinned:
+            self.index.unpin(st.pinned)
         self._drop_shared(st.request.request_id)
         st.pinned, st.generations, st.planned = [], [], False
         st.decision, st.decided_for, st.answer = None, None, (0, False)
