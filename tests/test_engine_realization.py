@@ -307,7 +307,10 @@ def copied(plan: SpanPlan) -> list[int]:
 
 
 @pytest.mark.parametrize(("kind", "seed"), [("multi_passage_rag", 31),
-                                            ("cross_instruction_task_first", 32)])
+                                            ("cross_instruction_task_first", 32),
+                                            ("cross_instruction", 33),
+                                            ("reordered_chunks", 34),
+                                            ("paraphrased_lead_in", 35)])
 def test_blend_recomputing_every_copied_token_equals_cold(llm, recorder, kind, seed):
     donors, target = rag_cluster(llm, seed, kind)
     out = serve(llm, recorder, donors, target,
