@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +22,49 @@ CONNECTOR = {
 }
 BLOCK = 32
 RESIDENT_SEQS = 3
+IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
+# Packages whose module objects break vLLM's start-up scan of sys.modules (its kernel dispatcher
+# reads vars() of every module attribute; llvmlite's ffi wrappers return no dict). lmcache
+# imports them into this process (MultiConnector's stats classes, tests/test_engine_lmcache.py).
+SCAN_BREAKERS = ("llvmlite", "numba")
+
+
+@contextlib.contextmanager
+def in_process() -> Iterator[None]:
+    """Engines built inside this block run in this process (tests that look inside them).
+
+    NOTE: the environment, vLLM's cached environment reads and torch's thread count are restored
+    afterwards, even when the engine fails to start, so later engines start multiprocess again.
+    """
+    import torch
+    import vllm.envs
+
+    before, threads = os.environ.get(IN_PROCESS), torch.get_num_threads()
+    os.environ[IN_PROCESS] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(IN_PROCESS, None)
+        else:
+            os.environ[IN_PROCESS] = before
+        vllm.envs.disable_envs_cache()
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _scan_safe() -> Iterator[None]:
+    """Hide ``SCAN_BREAKERS`` from sys.modules while an in-process engine starts."""
+    if os.environ.get(IN_PROCESS) != "0":
+        yield  # the engine core starts in a fresh process: nothing to hide
+        return
+    hidden = {n: m for n, m in sys.modules.items() if n.split(".")[0] in SCAN_BREAKERS}
+    for name in hidden:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
 
 
 @contextlib.contextmanager
@@ -42,7 +87,8 @@ def engine(extra_config: dict[str, Any] | None, **overrides: Any) -> Iterator[An
     args.setdefault("kv_cache_memory_bytes", bundled_kv_cache_bytes(
         max_model_len=args["max_model_len"], max_num_seqs=RESIDENT_SEQS,
         block_size=args["block_size"]))
-    llm = LLM(**args)
+    with _scan_safe():
+        llm = LLM(**args)
     try:
         yield llm
     finally:

