@@ -127,6 +127,10 @@ class SpanPlan(_Frozen):
         """Gap tokens inside the span (the tail after ``span_tokens`` is not counted)."""
         return sum(s.length for s in self.segments if s.is_gap)
 
+    def gap_positions(self) -> list[int]:
+        """The span positions no donor serves (computed inside the span), in order."""
+        return [p for s in self.segments if s.is_gap for p in range(s.target_start, s.end)]
+
     @property
     def donors(self) -> tuple[str, ...]:
         """The donors copied from, in order of first use."""

@@ -39,6 +39,7 @@ def check_plan(plan: SpanPlan, target: Sequence[int], donors: Mapping[str, Seque
             list(target[seg.target_start: seg.end])
     assert at == plan.span_tokens
     assert plan.copied_tokens + plan.computed_tokens == plan.num_tokens
+    assert len(plan.gap_positions()) == plan.computed_tokens
     assert set(plan.donors) <= set(donors)
 
 

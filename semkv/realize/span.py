@@ -31,11 +31,6 @@ from semkv.realize.runner import KeyRotator, LayerRunner
 from semkv.span_plan import SpanPlan
 
 
-def gap_positions(plan: SpanPlan) -> list[int]:
-    """The span positions no donor serves (computed inside the span), in order."""
-    return [p for s in plan.segments if s.is_gap for p in range(s.target_start, s.end)]
-
-
 def place(cache: KVCache, rotator: KeyRotator | None, positions: torch.Tensor,
           keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
           deltas: torch.Tensor) -> None:

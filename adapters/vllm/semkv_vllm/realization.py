@@ -127,10 +127,6 @@ class SpanRealizer:
     def submit(self, op: RealizeOp) -> None:
         self._jobs.append(_Job(op, self._steps(op)))
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._jobs)
-
     def advance(self, *, idle: bool = False, finish: bool = False) -> list[Realized]:
         """Advance the oldest jobs by one step's budget (all of them to their end when ``idle``
         or ``finish``); returns the realizations that ended, in submission order."""

@@ -60,7 +60,7 @@ class SpanHold:
         """The worker's op, on the request's allocated blocks."""
         bs = self.plan.block_size
         local, span = self.plan.local_tokens, self.plan.span_tokens
-        gaps = [p for s in self.plan.segments if s.is_gap for p in range(s.target_start, s.end)]
+        gaps = self.plan.gap_positions()
         runs = [(s.target_start, s.length) for s in self.plan.segments if not s.is_gap]
         needed = needed_positions(range(local, span), runs, self.recompute)
         return RealizeOp(request_id, local, span, list(block_ids[: local // bs]),

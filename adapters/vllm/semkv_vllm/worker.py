@@ -96,9 +96,12 @@ class WorkerSide:
         self._maps.clear()  # token maps live for one step (keyed by the step's op objects)
 
     # -- loads -----------------------------------------------------------------------------
+    def _current(self, slots: list[int], generations: list[int]) -> bool:
+        """Do these store slots still hold the generations the scheduler planned with?"""
+        return all(self.slot_generation[s] == g for s, g in zip(slots, generations, strict=True))
+
     def _valid(self, op: LoadOp) -> bool:
-        return all(self.slot_generation[s] == g
-                   for s, g in zip(op.slots, op.generations, strict=True))
+        return self._current(op.slots, op.generations)
 
     def start_load_kv(self) -> None:
         if self._meta is not None and self._meta.realizes:
@@ -174,8 +177,7 @@ class WorkerSide:
 
     # -- realized spans ---------------------------------------------------------------------
     def _stale(self, op: RealizeOp) -> bool:
-        return any(self.slot_generation[s] != g for c in op.copies
-                   for s, g in zip(c.slots, c.generations, strict=True))
+        return not all(self._current(c.slots, c.generations) for c in op.copies)
 
     def _start_realize(self, op: RealizeOp) -> None:
         stale = self._stale(op)
