@@ -70,10 +70,12 @@ class SemkvConfig(BaseSettings):
         "engine's model between engine steps. False: one donor's KV over the span (token swap)."))
     # Selective recompute inside a realized span (semkv.realize.recompute). "none" until the
     # quality-vs-recompute frontier of issue #17 is measured on the engine.
-    recompute_strategy: Literal["none", "first_k", "blend"] = Field(default="none", description=(
-        "Realized spans: which copied tokens are recomputed through the model. first_k: the "
-        "first recompute_first_k of every copied segment; blend: the copied tokens whose K/V "
-        "deviate most on the first recompute_probe_layers layers."))
+    recompute_strategy: Literal["none", "first_k", "blend", "first_k_blend"] = Field(
+        default="none", description=(
+            "Realized spans: which copied tokens are recomputed through the model. first_k: "
+            "the first recompute_first_k of every copied segment; blend: the copied tokens "
+            "whose K/V deviate most on the first recompute_probe_layers layers; "
+            "first_k_blend: blend's selection always holding first_k's tokens."))
     recompute_fraction: float = Field(default=0.15, ge=0.0, le=1.0, description=(
         "blend: copied tokens recomputed, as a fraction of the prompt's tokens (capped at the "
         "copied tokens; gaps and the tail are computed anyway and not charged)."))
@@ -82,6 +84,9 @@ class SemkvConfig(BaseSettings):
     recompute_probe_layers: int = Field(default=2, ge=1, description=(
         "blend: first layers computed for every span token to rank the copied ones (below the "
         "model's layer count, checked at worker start-up)."))
+    request_options: bool = Field(default=False, description=(
+        "Read a request's kv_transfer_params['semkv_options'] (semkv.request_options: lookup, "
+        "save, recompute strategy, kv_floor); off: such options are ignored and counted."))
     block_aligned_only: bool = True
     lookup_timeout_ms: float = Field(default=50.0, gt=0.0, le=60_000.0)
     max_donors: int = Field(default=10_000, ge=1)

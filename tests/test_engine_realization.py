@@ -13,9 +13,9 @@ vLLM's paged kernel and fused norms); next-token log-probabilities through the e
 ``semkv.research``'s transformers runner under the same plan: 2e-3 absolute (two fp32
 implementations; donors prefilled by each).
 
-Recompute strategies vary per test within the one engine: the recorder patches the scheduler's
-``SpanAdmission.plan`` in-process and sets the hold's ``recompute`` (``Recorder.recompute``),
-which the ``RealizeOp`` carries to the worker; the engine's config keeps ``none``.
+Recompute strategies vary per request within the one engine through request options
+(``request_options: true``, ``kv_transfer_params["semkv_options"]["recompute"]``), which the
+``RealizeOp`` carries to the worker; the engine's config keeps ``none``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
          "semantic_tiers": ["verified"], "realize_spans": True,
          "min_reuse_tokens": 100_000,  # the exact tier never wins here: every hit is realized
          "verified_min_reuse_tokens": 64, "lookup_timeout_ms": 10_000,
-         "provider_config": {"threshold": 0.1}}
+         "provider_config": {"threshold": 0.1}, "request_options": True}
 
 
 class Recorder:
@@ -61,7 +61,6 @@ class Recorder:
         self.caches: dict[str, Any] = {}
         self.realized: dict[str, Any] = {}  # request id -> the worker's Realized
         self.all_gaps = False  # turn every plan into one gap over the whole span
-        self.recompute: RecomputeStrategy | None = None  # overrides the config's strategy
         self.last: str | None = None  # the request planned last
         self.taken: str | None = None  # the request ``take`` returned last
 
@@ -80,8 +79,9 @@ def recorder() -> Iterator[Recorder]:
     plan, write = span_admission.SpanAdmission.plan, SpanRealizer.write
 
     def recording_plan(self: Any, request_id: str, target: Any, local: int, candidates: Any,
-                       view: Any, namespace: str, exact: Any) -> Any:
-        out = plan(self, request_id, target, local, candidates, view, namespace, exact)
+                       view: Any, namespace: str, exact: Any, recompute: Any = None) -> Any:
+        out = plan(self, request_id, target, local, candidates, view, namespace, exact,
+                   recompute)
         if isinstance(out, tuple):
             match, hold = out
             if rec.all_gaps:  # keep the leases, copy nothing: every span token computed
@@ -91,8 +91,6 @@ def recorder() -> Iterator[Recorder]:
                 hold.plan = SpanPlan(block_size=p.block_size, local_tokens=p.local_tokens,
                                      span_tokens=p.span_tokens, segments=(SpanSegment(
                                          target_start=p.local_tokens, length=p.num_tokens),))
-            if rec.recompute is not None:
-                hold.recompute = rec.recompute
             rec.last = request_id
             rec.plans[request_id] = (hold.plan, {
                 d: list(view(d).token_ids) for d in hold.plan.donors})
@@ -119,12 +117,16 @@ def llm(recorder: Recorder) -> Iterator[Any]:
         yield e
 
 
-def run(llm: Any, prompt: str | list[int], max_tokens: int = 16, logprobs: int | None = None
-        ) -> Any:
+def run(llm: Any, prompt: str | list[int], max_tokens: int = 16, logprobs: int | None = None,
+        **options: Any) -> Any:
+    """One greedy request; ``options`` are its semkv request options."""
     from vllm import SamplingParams
 
+    from semkv.request_options import request_params
+
+    extra = {"kv_transfer_params": request_params(**options)} if options else None
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                        logprobs=logprobs)
+                        logprobs=logprobs, extra_args=extra)
     item = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
     return llm.generate([item], sp, use_tqdm=False)[0]
 
@@ -280,14 +282,12 @@ def test_a_realization_failing_midway_ends_in_a_recompute_equal_to_cold(llm, rec
 
 def serve(llm: Any, recorder: Recorder, donors: list[str], target: str,
           strategy: RecomputeStrategy) -> dict[str, Any]:
-    """Cold, then the donors, then the target realized under ``strategy``."""
+    """Cold, then the donors, then the target realized under ``strategy`` (its options)."""
     cold = cold_then_donors(llm, donors, target)
     before = semkv_metrics(llm)
-    recorder.recompute = strategy
-    try:
-        warm = run(llm, target)
-    finally:
-        recorder.recompute = None
+    warm = run(llm, target, recompute={
+        "strategy": strategy.kind.value, "fraction": strategy.fraction,
+        "first_k": strategy.first_k, "probe_layers": strategy.probe_layers})
     after = semkv_metrics(llm)
     plan, donor_tokens, _ = recorder.take()
     assert recorder.taken is not None
@@ -352,3 +352,49 @@ def test_engine_and_research_recompute_the_same_tokens(llm, recorder, research_l
     assert len(mine) == min(plan.copied_tokens, round(0.15 * len(ids)))
     assert out["delta"]["vllm:semkv_span_tokens:recomputed"] == len(mine)
     assert mine == theirs
+
+
+# -- request options (semkv.request_options) -----------------------------------------------------
+
+def test_request_options_opt_out_of_lookup_and_saving(llm, recorder):
+    donors, target = rag_cluster(llm, seed=41)
+    cold = cold_then_donors(llm, donors, target)
+    s = summary(run(llm, target, lookup=False, save=False))
+    assert s["fallback_reason"] == "provider_disabled" and s["confirmed_loaded_tokens"] == 0, s
+    # save: false: that run left nothing in the store, so the target is still realized from
+    # its donors (not an exact hit of itself)
+    llm.reset_prefix_cache()
+    warm = summary(run(llm, target))
+    assert warm["provenance"] == "request_only_semantic_reuse", warm
+    recorder.take()
+    # ... and a donor sent with save: false is never found
+    llm.reset_prefix_cache(reset_connector=True)
+    for d in donors:
+        run(llm, d, max_tokens=1, lookup=False, save=False)
+    llm.reset_prefix_cache()
+    miss = run(llm, target)
+    assert summary(miss)["provenance"] == "fallback_recompute", summary(miss)
+    assert miss.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+def test_request_option_kv_floor_rounds_the_loaded_kv_through_fp8(llm):
+    """The target's own stored KV placed back (here a realized span copying every token from
+    the target itself: this module's exact tier is out of reach) and rounded: close to cold,
+    not bit-equal; the same placement without the floor is cold's within fp32 noise."""
+    _, target = rag_cluster(llm, seed=43)
+    llm.reset_prefix_cache(reset_connector=True)
+    cold = run(llm, target, logprobs=5)
+    llm.reset_prefix_cache()
+    floor = run(llm, target, logprobs=5, kv_floor="fp8_e4m3")
+    s = summary(floor)
+    assert s["confirmed_loaded_tokens"] >= 256, s
+    ref = cold.outputs[0].logprobs[0]
+    got = floor.outputs[0].logprobs[0]
+    diffs = [abs(got[t].logprob - lp.logprob) for t, lp in ref.items() if t in got]
+    assert diffs and max(diffs) < 0.5, diffs  # fp8 noise, not another context
+    assert max(diffs) > 1e-5, "the fp8 floor changed nothing: the KV was not rounded"
+    llm.reset_prefix_cache()
+    exact = run(llm, target, logprobs=5)  # the same load without the floor: bit-equal to cold
+    assert summary(exact)["confirmed_loaded_tokens"] == s["confirmed_loaded_tokens"]
+    same = exact.outputs[0].logprobs[0]
+    assert max(abs(same[t].logprob - lp.logprob) for t, lp in ref.items() if t in same) < 2e-3

@@ -121,6 +121,22 @@ def test_first_k_selects_the_same_positions(lm, case, k) -> None:
     assert len(mine) == sum(min(k, s.length) for s in copies)
 
 
+@pytest.mark.parametrize(("k", "fraction"), [(4, 0.0), (4, 0.2), (8, 1.0)])
+def test_first_k_blend_holds_the_halo_and_fills_the_budget(lm, case, k, fraction) -> None:
+    target, plan, store = case
+    strategy = RecomputeStrategy(RecomputeKind.FIRST_K_BLEND, fraction=fraction, first_k=k)
+    mine = _engine_style(lm, target, plan, store, strategy)
+    assert mine == _research(lm, target, plan, store, Strategy.first_k_blend(k, fraction))
+    copies = [(s.target_start, s.length) for s in plan.segments if not s.is_gap]
+    halo = {start + i for start, length in copies for i in range(min(k, length))}
+    assert halo <= set(mine)
+    assert len(mine) == max(len(halo), budget(strategy, len(target), plan.copied_tokens))
+    # beyond the halo, the same ranking as blend picks (blend's top set holds first_k_blend's)
+    blend = _engine_style(lm, target, plan, store,
+                          RecomputeStrategy(RecomputeKind.BLEND, fraction=1.0))
+    assert set(mine) <= set(blend)
+
+
 def test_none_recomputes_no_copied_position(lm, case) -> None:
     target, plan, store = case
     assert _engine_style(lm, target, plan, store, RecomputeStrategy()) == []
@@ -135,10 +151,13 @@ def test_the_op_carries_only_the_ids_the_strategy_may_compute() -> None:
     first = needed_positions(span, runs, RecomputeStrategy(RecomputeKind.FIRST_K, first_k=3))
     assert first == sorted(gaps + [20, 21, 22, 40, 41, 42])
     assert needed_positions(span, runs, RecomputeStrategy(RecomputeKind.BLEND)) == list(span)
+    both = RecomputeStrategy(RecomputeKind.FIRST_K_BLEND, first_k=3)
+    assert needed_positions(span, runs, both) == list(span)
 
 
 @pytest.mark.parametrize("bad", [dict(fraction=1.5), dict(fraction=-0.1), dict(probe_layers=0),
-                                 dict(kind="first_k", first_k=0), dict(kind="full")])
+                                 dict(kind="first_k", first_k=0),
+                                 dict(kind="first_k_blend", first_k=0), dict(kind="full")])
 def test_invalid_strategies_are_refused(bad) -> None:
     with pytest.raises(ValueError):
         RecomputeStrategy(**bad)

