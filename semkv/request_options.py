@@ -9,6 +9,9 @@ ignored (and counted), so a client can never change how an engine reuses KV unle
 - ``save: false``: its prompt never becomes a donor;
 - ``recompute``: the recompute strategy of this request's realized span (the ``recompute_*``
   keys' values for this request only; unset fields keep the engine's);
+- ``reuse_until: n``: semkv places no KV at prompt positions ``>= n`` (the span or load ends
+  at the last block boundary at or before it): scoring a continuation appended to a prompt
+  (``prompt_logprobs``) gets every continuation position computed by vLLM, with its logprobs;
 - ``kv_floor: "fp8_e4m3"`` (measurement): KV that semkv places for this request is rounded
   through fp8 e4m3 with one scale per layer for K and one for V (amax / 448), as an fp8 KV
   cache stores it. Loading a target's own stored KV this way gives the noise floor that
@@ -45,6 +48,7 @@ class RequestOptions(BaseModel):
     lookup: bool = True
     save: bool = True
     recompute: RecomputeOverride | None = None
+    reuse_until: int | None = Field(default=None, ge=1)
     kv_floor: Literal["fp8_e4m3"] | None = None
 
 

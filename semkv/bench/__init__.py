@@ -53,6 +53,9 @@ def run_bench(config: BenchConfig, out_dir: Path, *, show_progress: bool = True,
     started = time.time()
     machine = _machine()
     wl = load_workload(config)
+    if config.runner == "frontier":
+        return _frontier(config, wl, out_dir, show_progress=show_progress, plots=plots,
+                         command=command, started=started, machine=machine)
     results = run_all(config, wl, show_progress=show_progress, describe=describe)
     rows = build_rows(results, wl)
     arms = {name: summarize_arm(name, res, rows) for name, res in results.items()}
@@ -77,4 +80,33 @@ def run_bench(config: BenchConfig, out_dir: Path, *, show_progress: bool = True,
     result["plots"] = [str(p) for p in draw(result, out_dir)] if plots else []
     (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
     (out_dir / "bench.md").write_text(markdown(result))
+    return result
+
+
+def _frontier(config: BenchConfig, wl: Any, out_dir: Path, *, show_progress: bool, plots: bool,
+              command: str | None, started: float, machine: str) -> dict[str, Any]:
+    """The frontier runner's result: rows, per kind and arm summaries, targets, plot."""
+    from semkv.bench import frontier_report as report
+    from semkv.bench.frontier import run_frontier
+
+    raw = run_frontier(config, wl, show_progress=show_progress)
+    summary = report.summarize(raw["rows"])
+    result: dict[str, Any] = {
+        "command": command or " ".join(["semkv", *sys.argv[1:]]),
+        "config": config.as_dict(), "machine": machine, "python": platform.python_version(),
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "wall_s": time.time() - started,
+        "load_average_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "workload": {"targets": len(wl.targets), "donors": len(wl.donors),
+                     "kinds": sorted(set(wl.kind.values()))},
+        "engine": raw["engine"], "summary": summary,
+        "negatives": report.negatives(raw["rows"]),
+        "request_only_violations": raw["request_only_violations"],
+        "targets": report.check(summary, raw["rows"], raw["request_only_violations"]),
+        "rows": raw["rows"],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result["plots"] = [str(p) for p in report.plot(result, out_dir)] if plots else []
+    (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
+    (out_dir / "bench.md").write_text(report.markdown(result))
     return result

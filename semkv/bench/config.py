@@ -100,6 +100,9 @@ class BenchConfig:
     kv_cache_bytes: int | None = None  # None: semkv.kv_sizing from max_model_len and seqs
     cores: str = "0"  # VLLM_CPU_OMP_THREADS_BIND for every engine
     extra: dict[str, Any] = field(default_factory=dict)
+    # "engines": one engine per arm (ARMS); "frontier": one engine, arms are request options
+    # (semkv.bench.frontier.FRONTIER_ARMS)
+    runner: str = "engines"
 
     @property
     def max_model_len(self) -> int:
@@ -110,17 +113,36 @@ class BenchConfig:
         return asdict(self)
 
     def validate(self) -> None:
+        if self.runner == "frontier":
+            self._validate_frontier()
+            return
+        if self.runner != "engines":
+            raise ValueError(f"unknown bench runner {self.runner!r}")
         unknown = [a for a in self.arms if a not in ARMS]
         if unknown:
             raise ValueError(f"unknown bench arm(s) {unknown}; known: {sorted(ARMS)}")
         if "disabled" not in self.arms:
             raise ValueError("every bench run needs the 'disabled' arm: speedups and cold "
                              "references are taken against it")
+        self._validate_sizes()
+
+    def _validate_sizes(self) -> None:
         bad = [k for k in self.kinds if k not in {c.value for c in ClusterKind}]
         if bad:
             raise ValueError(f"unknown cluster kind(s) {bad}")
         if self.concurrency < 1 or self.max_tokens < 1 or self.clusters_per_type < 1:
             raise ValueError("concurrency, max_tokens and clusters_per_type must be >= 1")
+
+    def _validate_frontier(self) -> None:
+        from semkv.bench.frontier import COLD, FRONTIER_ARMS, STRATEGIES
+
+        unknown = [a for a in self.arms if a not in FRONTIER_ARMS]
+        if unknown:
+            raise ValueError(f"unknown frontier arm(s) {unknown}; known: {list(FRONTIER_ARMS)}")
+        if COLD not in self.arms or not any(a in STRATEGIES for a in self.arms):
+            raise ValueError("a frontier run needs the 'cold' arm and at least one realized:* "
+                             "strategy arm")
+        self._validate_sizes()
 
 
 _QUICK_KINDS = ("exact_control", "partial_overlap", "cross_instruction", "negative_unrelated",
@@ -128,6 +150,11 @@ _QUICK_KINDS = ("exact_control", "partial_overlap", "cross_instruction", "negati
 _REALIZED_KINDS = ("cross_instruction", "cross_instruction_task_first", "reordered_chunks",
                    "paraphrased_lead_in", "multi_passage_rag", "exact_control",
                    "negative_unrelated", "negative_same_topic")
+_FRONTIER_KINDS = ("cross_instruction", "cross_instruction_task_first", "multi_passage_rag",
+                   "reordered_chunks", "paraphrased_lead_in", "negative_unrelated",
+                   "negative_same_topic")
+_FRONTIER_ARMS = ("cold", "fp8_floor", "realized:none", "realized:first_k16",
+                  "realized:blend15", "realized:first_k16+blend15")
 PRESETS: dict[str, BenchConfig] = {
     # 5 targets (one cluster of five kinds), ~640-token prompts, 16 output tokens, five arms.
     "quick": BenchConfig(
@@ -157,6 +184,19 @@ PRESETS: dict[str, BenchConfig] = {
               "materialize_realized:minhash"),
         kinds=_REALIZED_KINDS, clusters_per_type=2, target_tokens=768, max_tokens=32,
         concurrency=1),
+    # The quality-vs-recompute frontier of realized spans (issue #17): one engine, every arm a
+    # request option (semkv.bench.frontier), 16 targets per kind at ~1K tokens; both cores.
+    "frontier": BenchConfig(
+        preset="frontier", arms=_FRONTIER_ARMS, kinds=_FRONTIER_KINDS, clusters_per_type=16,
+        target_tokens=1024, max_tokens=32, concurrency=1, runner="frontier", cores="0-1"),
+    # The same at 4K+ tokens (a cold prefill is ~40 s on one core: few clusters, few arms).
+    "frontier-long": BenchConfig(
+        preset="frontier-long", arms=("cold", "fp8_floor", "realized:none",
+                                      "realized:first_k16", "realized:first_k16+blend15"),
+        kinds=("cross_instruction", "cross_instruction_task_first", "multi_passage_rag",
+               "negative_same_topic"),
+        clusters_per_type=2, target_tokens=4096, max_tokens=32, concurrency=1,
+        runner="frontier", cores="0-1"),
 }
 
 

@@ -116,13 +116,23 @@ class Run:
     prompt_tokens: int
 
 
-def generate(llm: Any, token_ids: Sequence[int], max_tokens: int) -> Run:
-    """One greedy request alone (fixed output length): TTFT from vLLM's own request stats."""
+def _params(max_tokens: int, options: dict[str, Any] | None = None, **kw: Any) -> Any:
+    """Greedy sampling params; ``options``: semkv request options (``request_options: true``)."""
     from vllm import SamplingParams
+
+    from semkv.request_options import request_params
+
+    extra = {"kv_transfer_params": request_params(**options)} if options else None
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                          detokenize=False, extra_args=extra, **kw)
+
+
+def generate(llm: Any, token_ids: Sequence[int], max_tokens: int,
+             options: dict[str, Any] | None = None) -> Run:
+    """One greedy request alone (fixed output length): TTFT from vLLM's own request stats."""
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                            detokenize=False)
+    params = _params(max_tokens, options)
     before = snapshot(llm)
     start = time.perf_counter()
     out = llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params,
@@ -168,14 +178,28 @@ def answer_logprobs(llm: Any, prompt: Sequence[int], answer: Sequence[int],
     served from reused KV (a stored copy of this very answer, a long wrong donor) have none and
     are left out: callers compare runs on the positions both scored.
     """
-    from vllm import SamplingParams
+    dists, summary = answer_distributions(llm, prompt, answer, top=0)
+    scored = {i: d[tok] for i, (tok, d) in enumerate(zip(answer, dists, strict=False))
+              if d is not None and tok in d}
+    return scored, summary
+
+
+def answer_distributions(llm: Any, prompt: Sequence[int], answer: Sequence[int], *,
+                         top: int, options: dict[str, Any] | None = None,
+                         ) -> tuple[list[dict[int, float] | None], dict[str, Any]]:
+    """Per ``answer`` position: the engine's top-``top`` log-probabilities there (plus the
+    answer token's), teacher forced after ``prompt``; None where reused KV served the position.
+
+    With ``options`` (request options), ``reuse_until`` keeps semkv's KV off the answer.
+    """
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0,
-                            skip_reading_prefix_cache=False, detokenize=False)
+    params = _params(1, options, prompt_logprobs=top, skip_reading_prefix_cache=False)
     ids = [*prompt, *answer]
     out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
     tail = (out.prompt_logprobs or [])[len(prompt):]
-    scored = {i: lp[tok].logprob for i, (tok, lp) in enumerate(zip(answer, tail, strict=False))
-              if lp is not None and tok in lp}
-    return scored, dict((out.kv_transfer_params or {}).get("semkv", {}))
+    dists: list[dict[int, float] | None] = [
+        None if lp is None else {int(t): float(v.logprob) for t, v in lp.items()}
+        for lp in tail]
+    dists += [None] * (len(answer) - len(dists))
+    return dists, dict((out.kv_transfer_params or {}).get("semkv", {}))

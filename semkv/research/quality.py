@@ -13,14 +13,19 @@ Protocol: generate greedily from the full prefill (the reference) and from the r
   continuation under the full and the reused cache; ``logprob_delta`` = reuse - reference
   (negative: the reused cache finds the right answer less likely).
 
+Distributions known only by their top-k log-probabilities (an engine's ``prompt_logprobs``)
+are compared with ``coarse_kl``; ``top_margin`` is a distribution's top-1 minus top-2 log-prob
+(how near a tie its greedy choice was).
+
 Pure Python, no torch: these run on token ids and never keep them. NOTE: scores only; a
 QualityScores is safe to log.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 
@@ -91,3 +96,31 @@ def score_generation(
         reference_logprob=reference_logprob,
         reuse_logprob=reuse_logprob,
     )
+
+
+def coarse_kl(p: Mapping[int, float], q: Mapping[int, float]) -> float:
+    """KL(P || Q) in nats over the tokens both top-k lists name, plus one bucket for the rest.
+
+    ``p`` and ``q`` map token id -> log-probability for SOME tokens of each distribution (a
+    top-k list). Merging the other tokens into one bucket coarse-grains both distributions the
+    same way, so this is a lower bound on the full-vocabulary KL (data processing inequality),
+    exact when the lists cover the mass; 0 for identical distributions.
+    """
+    shared = p.keys() & q.keys()
+    kl, p_rest, q_rest = 0.0, 1.0, 1.0
+    for token in shared:
+        pi, qi = math.exp(p[token]), math.exp(q[token])
+        p_rest -= pi
+        q_rest -= qi
+        if pi > 0.0:
+            kl += pi * (p[token] - q[token])
+    p_rest, q_rest = max(p_rest, 0.0), max(q_rest, 1e-12)
+    if p_rest > 1e-12:
+        kl += p_rest * math.log(p_rest / q_rest)
+    return max(kl, 0.0)
+
+
+def top_margin(p: Mapping[int, float]) -> float:
+    """Top-1 minus top-2 log-probability (inf when only one token is listed)."""
+    best = sorted(p.values(), reverse=True)[:2]
+    return best[0] - best[1] if len(best) == 2 else math.inf

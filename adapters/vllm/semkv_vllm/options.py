@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from semkv.config import SemkvConfig
 from semkv.metrics import CounterBag
 from semkv.request_options import BadRequestOptions, RequestOptions, parse_options
+from semkv.types import QualityTier, SemanticKVMatch
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +56,25 @@ def strategy_for(base: RecomputeStrategy, options: RequestOptions | None) -> Rec
     if "strategy" in fields:
         fields["kind"] = fields.pop("strategy")
     return replace(base, **fields)
+
+
+def cap_match(match: SemanticKVMatch, until: int | None, block_size: int,
+              ) -> SemanticKVMatch | None:
+    """An exact-tier ``match`` ending at the last block boundary at or before ``until`` (None:
+    nothing of it is left). Other tiers' single-donor spans are not cut: None when they reach
+    past ``until``."""
+    if until is None or not match.is_hit:
+        return match
+    end = match.local_prefix_tokens + match.external_prefix_tokens
+    if end <= until:
+        return match
+    if match.quality_tier is not QualityTier.EXACT:
+        return None
+    external = until - until % block_size - match.local_prefix_tokens
+    if external <= 0:
+        return None
+    return match.model_copy(update={"external_prefix_tokens": external,
+                                    "donor_prefix_tokens": match.local_prefix_tokens + external})
 
 
 def round_fp8(t: torch.Tensor) -> torch.Tensor:

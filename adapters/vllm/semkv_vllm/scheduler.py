@@ -50,7 +50,7 @@ from semkv.types import (
 )
 from semkv_vllm.donor_registry import Donor, DonorRegistry
 from semkv_vllm.metadata import LoadOp, RealizeOp, SemkvMetadata, SemkvWorkerMetadata
-from semkv_vllm.options import read_options, strategy_for
+from semkv_vllm.options import cap_match, read_options, strategy_for
 from semkv_vllm.provenance import account, count_decision
 from semkv_vllm.request_state import RequestState
 from semkv_vllm.span_admission import SpanAdmission, strategy_of
@@ -218,6 +218,16 @@ class SchedulerSide:
                                              "donor_prefix_tokens": local + shared})
         elif shared:
             self._drop_shared(rid)
+        until = st.options.reuse_until if st.options is not None else None
+        capped = cap_match(match, until, self.bs)
+        if match.donor_id in self.shared_donors and capped is not match:
+            capped = None  # a shared store loads exactly what it answered: never cut
+        if capped is None:  # a request option keeps semkv's KV off the positions it reaches
+            self.leases.release(match.donor_lease_id or "")
+            match = SemanticKVMatch.fallback(rid, FallbackReason.LOW_REUSE_TOKENS,
+                                             local_prefix_tokens=local)
+        else:
+            match = capped
         if self.spans is not None and not (match.is_hit and match.donor_id in self.shared_donors):
             realized = self._realize(st, local, candidates, match)
             if realized is not None:
@@ -246,7 +256,8 @@ class SchedulerSide:
         refusal = self._refuse_non_exact(st.assessment, realize=True)
         planned = (refusal if refusal is not None else self.spans.plan(
             rid, st.request.all_token_ids, local, candidates, self._donor_view,
-            st.namespace.digest, exact, strategy_for(strategy_of(self.config), st.options)))
+            st.namespace.digest, exact, strategy_for(strategy_of(self.config), st.options),
+            st.options.reuse_until if st.options is not None else None))
         if not isinstance(planned, FallbackReason):
             if match.is_hit:
                 self.leases.release(match.donor_lease_id or "")

@@ -89,7 +89,7 @@ class SpanAdmission:
     def plan(self, request_id: str, target: Sequence[int], local: int,
              candidates: Sequence[Candidate], view: Callable[[str], DonorView | None],
              namespace: str, exact: SemanticKVMatch | None,
-             recompute: RecomputeStrategy | None = None,
+             recompute: RecomputeStrategy | None = None, until: int | None = None,
              ) -> tuple[SemanticKVMatch, SpanHold] | FallbackReason:
         donors = {}
         for c in candidates:
@@ -101,6 +101,7 @@ class SpanAdmission:
         if not donors:
             return FallbackReason.PROVIDER_MISS
         plan = plan_span(target, donors, local_tokens=local, block_size=self.bs,
+                         max_span_tokens=None if until is None else max(0, until - local),
                          min_copied_tokens=self.config.verified_min_reuse_tokens)
         if plan is None:
             return FallbackReason.LOW_REUSE_TOKENS

@@ -1,0 +1,194 @@
+"""Tables, targets and the plot of a frontier run (``semkv.bench.frontier`` rows).
+
+Per cluster kind and arm: targets served, tokens from donors, recomputed tokens (share of the
+prompt), TTFT speedup vs cold, ROUGE-L and exact match vs cold, greedy divergences (and how
+many fell at a near-tie of the cold answer), mean per-token KL from cold and the cold answer's
+log-likelihood change, all beside the fp8 floor and the response cache.
+
+The targets (issue #17), checked per arm for the kinds that must meet them:
+``kl_mean <= fp8 floor's``; every divergence at a near-tie (cold margin < ``NEAR_TIE``);
+median ROUGE-L >= 0.9; median ROUGE-L >= response cache + 0.2; >= 50 % of the prompt from
+donors; TTFT >= 2.5x cold (judged only where prompts have 2K+ tokens); no false positive on
+the negatives; no realized block in the prefix cache afterwards.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from semkv.bench.frontier import COLD, FLOOR, NEAR_TIE, STRATEGIES
+
+GATED_KINDS = ("cross_instruction", "cross_instruction_task_first", "multi_passage_rag")
+ROUGE_MIN, RC_MARGIN, DONOR_MIN, SPEEDUP_MIN, LONG_PROMPT = 0.9, 0.2, 0.5, 2.5, 2048
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """kind -> arm -> summary (reuse kinds: every arm; served rows only for the strategies)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for kind in sorted({r["kind"] for r in rows if not r["negative"]}):
+        out[kind] = {}
+        for arm in sorted({r["arm"] for r in rows if r["kind"] == kind}, key=_arm_order):
+            rs = [r for r in rows if r["kind"] == kind and r["arm"] == arm]
+            served = [r for r in rs if r["served"] or arm == COLD]
+            divs = [r for r in served if r["first_divergence"] is not None]
+            near = [r for r in divs if (r["cold_margin_at_divergence"] or 0.0) < NEAR_TIE]
+            out[kind][arm] = {
+                "targets": len(rs), "served": len(served),
+                "prompt_tokens_median": _median([r["prompt_tokens"] for r in rs]),
+                "donor_fraction_median": _median([r["donor_fraction"] for r in served]),
+                "recomputed_fraction_mean": _mean([r["recomputed"] / r["prompt_tokens"]
+                                                   for r in served]),
+                "computed_fraction_mean": _mean([
+                    (r["recomputed"] + r["computed_in_span"]) / r["prompt_tokens"]
+                    for r in served]),
+                "speedup_median": _median([r["speedup"] for r in served]),
+                "rouge_l_median": _median([r["rouge_l"] for r in served]),
+                "rouge_l_mean": _mean([r["rouge_l"] for r in served]),
+                "exact_match_rate": (sum(r["exact_match"] for r in served) / len(served)
+                                     if served else None),
+                "divergences": len(divs), "divergences_near_tie": len(near),
+                "divergence_margins": sorted(round(r["cold_margin_at_divergence"], 3)
+                                             for r in divs
+                                             if r["cold_margin_at_divergence"] is not None),
+                "kl_mean": _mean([r["kl_mean"] for r in served]),
+                "kl_median": _median([r["kl_mean"] for r in served]),
+                "logprob_delta_mean": _mean([r["logprob_delta"] for r in served]),
+                "response_cache_rouge_l_median": _median(
+                    [r["response_cache_rouge_l"] for r in served]),
+            }
+    return out
+
+
+def _arm_order(arm: str) -> tuple[int, str]:
+    order = [COLD, FLOOR, *STRATEGIES]
+    return (order.index(arm) if arm in order else len(order), arm)
+
+
+def negatives(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    rs = [r for r in rows if r["negative"]]
+    fp = [r for r in rs if r["served"]]
+    return {"targets": len(rs), "false_positives": len(fp),
+            "false_positive_rate": len(fp) / len(rs) if rs else None}
+
+
+def check(summary: dict[str, dict[str, dict[str, Any]]], rows: list[dict[str, Any]],
+          request_only_violations: int) -> dict[str, Any]:
+    """Per strategy arm: met or the reasons it is not (over the gated kinds)."""
+    neg = negatives(rows)
+    out: dict[str, Any] = {}
+    for arm in STRATEGIES:
+        reasons: list[str] = []
+        seen = False
+        for kind in GATED_KINDS:
+            s = summary.get(kind, {}).get(arm)
+            floor = summary.get(kind, {}).get(FLOOR)
+            if s is None:
+                continue
+            seen = True
+            if not s["served"]:
+                reasons.append(f"{kind}: nothing served")
+                continue
+            if floor and floor["kl_mean"] is not None and (s["kl_mean"] or 0) > floor["kl_mean"]:
+                reasons.append(f"{kind}: mean KL {s['kl_mean']:.4f} > fp8 floor "
+                               f"{floor['kl_mean']:.4f}")
+            if s["divergences"] > s["divergences_near_tie"]:
+                reasons.append(f"{kind}: {s['divergences'] - s['divergences_near_tie']} "
+                               f"divergence(s) at a cold margin >= {NEAR_TIE}")
+            if (s["rouge_l_median"] or 0) < ROUGE_MIN:
+                reasons.append(f"{kind}: median ROUGE-L {s['rouge_l_median']:.2f} < {ROUGE_MIN}")
+            rc = s["response_cache_rouge_l_median"]
+            if rc is not None and (s["rouge_l_median"] or 0) < rc + RC_MARGIN:
+                reasons.append(f"{kind}: median ROUGE-L {s['rouge_l_median']:.2f} < response "
+                               f"cache {rc:.2f} + {RC_MARGIN}")
+            if (s["donor_fraction_median"] or 0) < DONOR_MIN:
+                reasons.append(f"{kind}: {s['donor_fraction_median']:.0%} from donors")
+            if (s["prompt_tokens_median"] or 0) >= LONG_PROMPT and (
+                    s["speedup_median"] or 0) < SPEEDUP_MIN:
+                reasons.append(f"{kind}: TTFT {s['speedup_median']:.2f}x < {SPEEDUP_MIN}x")
+        if neg["false_positives"]:
+            reasons.append(f"{neg['false_positives']} false positive(s) on negatives")
+        if request_only_violations:
+            reasons.append(f"{request_only_violations} realized block(s) became prefix cache")
+        if seen:
+            out[arm] = {"met": not reasons, "reasons_off": reasons}
+    return out
+
+
+def _f(v: Any, fmt: str = ".2f") -> str:
+    return "–" if v is None else f"{v:{fmt}}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    cfg = result["config"]
+    lines = [f"Preset `{cfg['preset']}`: ~{cfg['target_tokens']} prompt tokens, "
+             f"{cfg['max_tokens']} greedy tokens, {cfg['clusters_per_type']} clusters per "
+             f"kind, cores `{cfg['cores']}`; {result['machine']}; wall "
+             f"{result['wall_s'] / 60:.1f} min.", ""]
+    header = ["kind", "arm", "served", "prompt", "from donors", "recomputed", "TTFT vs cold",
+              "ROUGE-L med", "exact", "divergences (near-tie)", "KL mean", "KL med",
+              "Δ log-lik", "resp. cache"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for kind, arms in result["summary"].items():
+        for arm, s in arms.items():
+            lines.append("| " + " | ".join([
+                kind, arm, f"{s['served']}/{s['targets']}", _f(s["prompt_tokens_median"], ".0f"),
+                _f(s["donor_fraction_median"], ".0%"), _f(s["recomputed_fraction_mean"], ".0%"),
+                _f(s["speedup_median"], ".2f") + "x", _f(s["rouge_l_median"]),
+                _f(s["exact_match_rate"], ".0%"),
+                f"{s['divergences']} ({s['divergences_near_tie']})", _f(s["kl_mean"], ".4f"),
+                _f(s["kl_median"], ".4f"), _f(s["logprob_delta_mean"], ".3f"),
+                _f(s["response_cache_rouge_l_median"])]) + " |")
+    neg = result["negatives"]
+    lines += ["", f"Negative controls: {neg['false_positives']} false positive(s) on "
+                  f"{neg['targets']} targets; realized blocks found in the prefix cache "
+                  f"afterwards: {result['request_only_violations']}.", "", "Targets:", ""]
+    for arm, c in result["targets"].items():
+        lines.append(f"- `{arm}`: " + ("met" if c["met"] else
+                                       "not met: " + "; ".join(c["reasons_off"])))
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """KL from cold and median ROUGE-L against the recomputed share, per kind (fp8 dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_kl, ax_rouge) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, (kind, arms) in enumerate(result["summary"].items()):
+        color = f"C{i}"
+        pts = sorted((s["computed_fraction_mean"] or 0.0, s["kl_mean"], s["rouge_l_median"])
+                     for a, s in arms.items() if a in STRATEGIES and s["served"])
+        if pts:
+            ax_kl.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=kind)
+            ax_rouge.plot([p[0] for p in pts], [p[2] for p in pts], "o-", color=color,
+                          label=kind)
+        floor = arms.get(FLOOR)
+        if floor and floor["kl_mean"]:
+            ax_kl.axhline(floor["kl_mean"], color=color, ls="--", lw=0.8)
+            ax_rouge.axhline(floor["rouge_l_median"], color=color, ls="--", lw=0.8)
+    ax_kl.set_yscale("log")
+    ax_kl.set_xlabel("prompt tokens computed by semkv in the span (gaps + recomputed)")
+    ax_kl.set_ylabel("mean per-token KL from cold (nats)")
+    ax_rouge.set_xlabel("prompt tokens computed by semkv in the span (gaps + recomputed)")
+    ax_rouge.set_ylabel("median ROUGE-L vs cold")
+    ax_kl.set_title("dashed: fp8 KV floor (same kind)")
+    ax_rouge.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "frontier.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

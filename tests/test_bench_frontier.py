@@ -1,0 +1,105 @@
+"""``semkv bench --preset frontier`` end to end on the real vLLM CPU engine, very small.
+
+One subprocess (the bench switches vLLM to in-process engines through environment variables),
+one cluster of a shifted multi-donor kind and a same-topic negative at ~384 tokens, the cold,
+fp8-floor and two strategy arms. Checks what could be wrong: cold scores itself perfectly,
+the fp8 floor is close to cold but not equal, realized requests are served from donors and
+teacher forced on every answer position, negatives are not served, no realized block stays in
+the prefix cache, rows carry no text. Pure-Python checks of the summaries and targets follow.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from semkv.bench import preset
+from semkv.bench.frontier_report import check, negatives, summarize
+
+ARMS = ["cold", "fp8_floor", "realized:none", "realized:first_k16+blend15"]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def frontier(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("frontier")
+    cmd = [sys.executable, "-m", "semkv.cli", "bench", "--preset", "frontier", "--arms", *ARMS,
+           "--kinds", "multi_passage_rag", "negative_same_topic", "--clusters", "1",
+           "--target-tokens", "384", "--max-tokens", str(MAX_TOKENS), "--no-progress",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (out / "bench.md").read_text().startswith("Preset `frontier`")
+    assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return json.loads((out / "bench.json").read_text())
+
+
+@pytest.mark.engine
+def test_frontier_arms_on_the_engine(frontier: dict) -> None:
+    rows = {r["arm"]: r for r in frontier["rows"] if not r["negative"]}
+    assert set(rows) == set(ARMS)
+    cold, floor = rows["cold"], rows["fp8_floor"]
+    assert cold["kl_mean"] == 0.0 and cold["rouge_l"] == 1.0
+    assert cold["scored_positions"] == MAX_TOKENS
+    # the target's own KV through fp8: served (loaded), measurably perturbed, still near cold
+    assert floor["served"] and floor["donor_fraction"] > 0.8
+    assert 0.0 < floor["kl_mean"] < 0.1
+    for arm in ("realized:none", "realized:first_k16+blend15"):
+        r = rows[arm]
+        assert r["served"] and r["provenance"] == "request_only_semantic_reuse", r
+        assert r["donor_fraction"] >= 0.5 and r["scored_positions"] == MAX_TOKENS
+        assert r["kl_mean"] is not None and r["kl_mean"] > 0.0
+    assert rows["realized:none"]["recomputed"] == 0
+    assert rows["realized:first_k16+blend15"]["recomputed"] > 0
+    neg = [r for r in frontier["rows"] if r["negative"]]
+    assert neg and not any(r["served"] for r in neg)
+    assert frontier["request_only_violations"] == 0
+    assert set(frontier["targets"]) == {"realized:none", "realized:first_k16+blend15"}
+    for row in frontier["rows"]:
+        for value in row.values():
+            assert not isinstance(value, list | dict), row
+            assert not (isinstance(value, str) and len(value) > 64), row
+
+
+def _row(arm: str, kind: str = "multi_passage_rag", **kw: object) -> dict:
+    base = {"target": f"{kind}/0", "kind": kind, "negative": False, "arm": arm,
+            "prompt_tokens": 2048, "served": True, "donor_fraction": 0.8, "recomputed": 0,
+            "computed_in_span": 100, "speedup": 3.0, "rouge_l": 0.95, "exact_match": False,
+            "first_divergence": 20, "cold_margin_at_divergence": 0.1, "kl_mean": 0.002,
+            "logprob_delta": -0.01, "response_cache_rouge_l": 0.3}
+    return {**base, **kw}
+
+
+def test_targets_compare_each_strategy_with_the_fp8_floor() -> None:
+    rows = [_row("cold", kl_mean=0.0, rouge_l=1.0, first_divergence=None, exact_match=True),
+            _row("fp8_floor", kl_mean=0.003),
+            _row("realized:none", kl_mean=0.01, cold_margin_at_divergence=0.9),
+            _row("realized:first_k16", kl_mean=0.002),
+            _row("negative", kind="negative_same_topic", negative=True, served=False)]
+    rows[-1]["arm"] = "realized:none"
+    summary = summarize(rows)
+    assert summary["multi_passage_rag"]["realized:none"]["divergences_near_tie"] == 0
+    result = check(summary, rows, request_only_violations=0)
+    assert result["realized:first_k16"] == {"met": True, "reasons_off": []}
+    reasons = " ".join(result["realized:none"]["reasons_off"])
+    assert "fp8 floor" in reasons and "cold margin" in reasons
+    assert negatives(rows) == {"targets": 1, "false_positives": 0, "false_positive_rate": 0.0}
+    # a false positive, a slow long prompt or a leaked block fails every arm
+    rows[-1]["served"] = True
+    slow = [*rows[:3], _row("realized:first_k16", kl_mean=0.002, speedup=2.0), rows[-1]]
+    failed = check(summarize(slow), slow, request_only_violations=1)["realized:first_k16"]
+    text = " ".join(failed["reasons_off"])
+    assert not failed["met"] and "false positive" in text and "2.00x" in text
+    assert "prefix cache" in text
+
+
+def test_frontier_presets_validate() -> None:
+    assert preset("frontier").runner == "frontier"
+    assert preset("frontier-long").target_tokens >= 4096
+    with pytest.raises(ValueError, match="unknown frontier arm"):
+        preset("frontier", arms=("cold", "disabled"))
+    with pytest.raises(ValueError, match="needs the 'cold' arm"):
+        preset("frontier", arms=("fp8_floor", "realized:none"))
