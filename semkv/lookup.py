@@ -9,6 +9,10 @@
 - ``register`` / ``evict`` run on a separate single background thread, in order, and their
   exceptions are counted, never raised.
 
+- donors the host never registered (``known`` says so: another engine's, found through a
+  shared discovery store) get their token ids from ``provider.donor_tokens`` in the same
+  lookup thread and budget (``LookupResult.remote``), so the host can verify them.
+
 NOTE: candidates that fail validation (bad spans, NaN similarity, wrong namespace) are dropped
 and counted as provider errors; the caller only ever sees well-formed candidates.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -34,11 +39,16 @@ class LookupResult:
     candidates: list[Candidate] = field(default_factory=list)
     reason: FallbackReason | None = None  # provider_timeout / provider_error / None
     seconds: float = 0.0
+    # token ids of candidates the host did not register (another engine's donors)
+    remote: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+_Found = tuple[list[Candidate], dict[str, tuple[int, ...]]]
 
 
 @dataclass
 class _Pending:
-    future: Future[list[Candidate]]
+    future: Future[_Found]
     started: float
 
 
@@ -55,13 +65,22 @@ class GuardedProvider:
         self._last_write: Future[None] | None = None
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
+        # Does the host hold this donor id itself? Others' token ids come from the provider.
+        self.known: Callable[[str], bool] = lambda donor_id: True
 
     # -- lookups ---------------------------------------------------------------------------
-    def _run(self, query: LookupQuery, after: Future[None] | None) -> list[Candidate]:
+    def _run(self, query: LookupQuery, after: Future[None] | None) -> _Found:
         try:
             if after is not None:  # see every donor registered before this lookup was asked
                 after.result(timeout=self.timeout_s)
-            return self._validated(query, self.provider.lookup(query))
+            found = self._validated(query, self.provider.lookup(query))
+            remote = {}
+            for c in found:
+                if not self.known(c.donor_id):
+                    tokens = self.provider.donor_tokens(c.donor_id, c.namespace)
+                    if tokens:
+                        remote[c.donor_id] = tuple(int(t) for t in tokens)
+            return found, remote
         finally:
             self._slots.release()
 
@@ -124,13 +143,14 @@ class GuardedProvider:
             pass
         return self._result(pending.future, time.monotonic() - started)
 
-    def _result(self, future: Future[list[Candidate]], seconds: float) -> LookupResult:
+    def _result(self, future: Future[_Found], seconds: float) -> LookupResult:
         error = future.exception()
         if error is not None:
             self.counters["errors"] += 1
             log.warning("provider_lookup_failed", error_type=type(error).__name__)
             return LookupResult(reason=FallbackReason.PROVIDER_ERROR, seconds=seconds)
-        return LookupResult(candidates=future.result(), seconds=seconds)
+        candidates, remote = future.result()
+        return LookupResult(candidates=candidates, seconds=seconds, remote=remote)
 
     def forget(self, request_id: str) -> None:
         with self._lock:

@@ -21,6 +21,8 @@ FAMILIES: dict[str, tuple[str | None, str]] = {
     "lookup_misses": (None, "Decisions where the provider proposed no candidate."),
     "lookup_rejected": ("reason", "Decisions that rejected every candidate, by reason."),
     "lookup_errors": ("kind", "Provider calls that raised, timed out or answered malformed."),
+    "remote_donors": (None, "Candidates registered by another engine, found through a shared "
+                            "discovery store (their tokens came with the lookup)."),
     "lookup_deferred": (None, "Scheduler steps a request waited for its asynchronous lookup."),
     "materialize_requests": ("tier", "Loads planned into engine blocks, by tier."),
     "materialize_success": ("tier", "Requests whose planned load the workers confirmed, by tier."),

@@ -222,8 +222,9 @@ def test_connector_over_shared_store_survives_an_outage(redis_server: RedisServe
     """Two connectors (a real vLLM Scheduler each, no model: tests/vllm_harness.py) on one store.
 
     A's own donor, found through Redis, serves A's target on the exact tier; B discovers A's
-    donor but cannot verify a donor it never stored (the connector does not read
-    ``donor_tokens`` yet): a typed ``donor_stale`` fallback. Redis killed: A's requests prefill
+    donor and gets its tokens with the lookup, but holds none of its KV in its host store: a
+    typed ``donor_stale`` fallback; C (``discovery_only``) assesses A's donor like its own:
+    fleet-wide telemetry (``would_reuse_tokens``, ``remote_donors``). Redis killed: A's requests prefill
     normally (typed fallback, counted), its registration fails quietly; Redis back: a new
     donor registers and serves again. No request fails, no lease or pin leaks.
     """
@@ -232,8 +233,8 @@ def test_connector_over_shared_store_survives_an_outage(redis_server: RedisServe
 
     from tests.vllm_harness import Harness, make_harness
 
-    def config(instance: str) -> dict[str, Any]:
-        return {"provider": "chunks", "semantic_mode": "materialize_exact",
+    def config(instance: str, mode: str = "materialize_exact") -> dict[str, Any]:
+        return {"provider": "chunks", "semantic_mode": mode,
                 "min_reuse_tokens": 64, "donor_store_bytes": "1MiB", "lookup_timeout_ms": 2000,
                 "provider_config": {"discovery_store": redis_server.url, "instance_id": instance,
                                     "store_timeout_ms": 500.0, "store_write_timeout_ms": 500.0,
@@ -254,12 +255,32 @@ def test_connector_over_shared_store_survives_an_outage(redis_server: RedisServe
         served(h, rid, tokens)
         assert h.scheduler.reset_prefix_cache(reset_connector=False)
 
+    from semkv.metrics import CounterBag
+
+    def counted(h: Harness) -> CounterBag:
+        """Every counter the connector exports (vLLM takes them each step)."""
+        bag, take = CounterBag(), h.side.take_stats
+
+        def keep() -> CounterBag:
+            out = take()
+            bag.merge([out])
+            return out
+
+        h.side.take_stats = keep
+        return bag
+
     a, b = make_harness(config("a")), make_harness(config("b"))
+    c = make_harness(config("c", "discovery_only"))
+    b_counts, c_counts = counted(b), counted(c)
     first, second, third = doc(1), doc(2), doc(3)
     donor_then_forget(a, "donor1", first)
     hit = served(a, "target1", first)
     assert hit["tier"] == "exact" and hit["external_tokens"] >= 256, hit
     assert served(b, "other1", first)["fallback_reason"] == "donor_stale"
+    assert b_counts.counters["remote_donors"] >= 1
+    seen = served(c, "other1", first)
+    assert seen["would_reuse_tokens"] >= 256, seen  # A's donor, assessed by C
+    assert c_counts.counters["remote_donors"] >= 1
 
     redis_server.stop()
     donor_then_forget(a, "donor2", second)  # its registration fails, quietly
@@ -276,6 +297,6 @@ def test_connector_over_shared_store_survives_an_outage(redis_server: RedisServe
     donor_then_forget(a, "donor3", third)
     back = served(a, "target3", third)
     assert back["tier"] == "exact" and back["external_tokens"] >= 256, back
-    for h in (a, b):
+    for h in (a, b, c):
         h.assert_no_leaks()
         h.side.shutdown()

@@ -18,6 +18,10 @@ Protocol, per vLLM scheduler step:
 NOTE: a provider exception, timeout or malformed answer ends in (0, False): normal prefill.
 NOTE: in ``discovery_only`` nothing is saved or loaded; donors are registered by tokens only,
 so the stats can say what each tier would have reused.
+NOTE: with a shared discovery store (``provider_config.discovery_store``) candidates may be
+another engine's donors; their tokens come with the lookup (``LookupResult.remote``). In
+``discovery_only`` they are assessed like this engine's own (fleet-wide telemetry); a
+materializing engine has none of their KV in its host store: ``donor_stale``.
 NOTE: with a shared store (``donor_store: lmcache``, see ``lmcache_store.py``) the store itself
 is asked first: the prefix of the request it holds becomes one more exact-tier candidate (the
 request's own tokens, so every process that computed them agrees), admitted like any donor.
@@ -98,6 +102,9 @@ class SchedulerSide:
                                     self._donor_keys)
                       if (self.materialize and config.realize_spans and shared_lookup is None
                           and QualityTier.VERIFIED in config.semantic_tiers) else None)
+        self.remote_donors: dict[str, DonorView] = {}  # this decision's other-engine donors
+        if provider is not None:
+            provider.known = lambda d: d in self.registry.donors or d in self.shared_donors
         self.hook_seconds = 0.0  # connector hooks' time since the last stats export
         self.kv_cache_manager: Any = None
         self._exported: dict[str, int] = {}  # the guard's counters, as last exported
@@ -204,6 +211,7 @@ class SchedulerSide:
         if result is None:
             return None
         candidates = list(result.candidates)
+        self._remote_views(result.remote, candidates)
         if shared:
             candidates.insert(0, self._shared_candidate(st, local, shared))
         elif result.reason is not None:
@@ -315,7 +323,22 @@ class SchedulerSide:
     def _donor_view(self, donor_id: str) -> DonorView | None:
         if donor_id in self.shared_donors:
             return self.shared_donors[donor_id]
-        return self.registry.view(donor_id)
+        return self.registry.view(donor_id) or self.remote_donors.get(donor_id)
+
+    def _remote_views(self, remote: dict[str, tuple[int, ...]],
+                      candidates: list[Candidate]) -> None:
+        """Views of other engines' donors for this decision (discovery_only: their KV is never
+        loaded, only assessed; a materializing engine has none of it: no view, donor_stale)."""
+        self.remote_donors = {}
+        for c in candidates:
+            tokens = remote.get(c.donor_id)
+            if tokens is None:
+                continue
+            self.stats.inc("remote_donors")
+            if not self.materialize:
+                stored = len(tokens) - len(tokens) % self.bs
+                self.remote_donors[c.donor_id] = DonorView(c.donor_id, c.namespace,
+                                                           as_tokens(tokens), stored)
 
     def _pin(self, st: RequestState, match: SemanticKVMatch) -> bool:
         if not self.materialize or match.donor_id in self.shared_donors:
