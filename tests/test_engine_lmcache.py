@@ -6,6 +6,10 @@ The module starts one ``lmcache server`` on a free loopback port and kills it at
   prompt (LMCache stores its chunks under semkv's namespace); the second, a fresh process,
   gets the prompt's prefix from the LMCache server as an exact-tier donor, and its answer is
   identical to vLLM's own prefix hit on the same prompt in the same process.
+- Several replicas: the same two processes also share discovery through a real Redis-protocol
+  server (``discovery_store``): the second discovers the first's donor there (its tokens come
+  with the lookup) and loads its KV through LMCache; the server is then killed while the
+  second engine runs: its next request is still served (LMCache), the lookup failure counted.
 - Beside LMCache under vLLM's ``MultiConnector`` (LMCache's ``LMCacheMPConnector`` first, semkv
   second): LMCache serves the exact rerun of a prompt; semkv serves the verified tier (the same
   document behind another, locally cached instruction), which LMCache's prefix keys cannot
@@ -34,6 +38,7 @@ if importlib.util.find_spec("lmcache") is None:
     pytest.skip("needs lmcache (make test installs it)", allow_module_level=True)
 
 from tests.engine_utils import CONNECTOR, engine, essay_prompts  # noqa: E402
+from tests.redis_utils import RedisServer, redis_server  # noqa: E402,F401 - a fixture
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,12 +86,24 @@ def lmcache_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             proc.wait()
 
 
-def _child(role: str, url: str, prompt_file: Path, out: Path) -> dict:
-    """One vLLM process (tests/lmcache_child.py) in its own process group, always reaped."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.lmcache_child", role, url, str(prompt_file), str(out)],
-        cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def _child(role: str, url: str, prompt_file: Path, out: Path, redis: RedisServer | None = None,
+           ) -> dict:
+    """One vLLM process (tests/lmcache_child.py) in its own process group, always reaped.
+
+    With ``redis`` the reuse role pauses after its first request; the server is killed then.
+    """
+    args = [sys.executable, "-m", "tests.lmcache_child", role, url, str(prompt_file), str(out)]
+    proc = subprocess.Popen([*args, redis.url] if redis else args, cwd=ROOT,
+                            start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
     try:
+        if redis is not None and role == "reuse":
+            ready = Path(f"{out}.ready")
+            deadline = time.monotonic() + 900
+            while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            redis.stop()  # mid-run: the engine is up and has served one request
+            Path(f"{out}.go").write_text("1")
         logs, _ = proc.communicate(timeout=900)
     finally:
         try:
@@ -125,6 +142,33 @@ def test_second_process_reuses_donor_of_first_through_lmcache(lmcache_url, tmp_p
     # The rerun in the same process is vLLM's own prefix hit: the reference.
     assert local["semkv"]["local_prefix_tokens"] >= summary["external_tokens"]
     assert shared["tokens"] == local["tokens"]
+
+
+def test_replicas_share_discovery_in_redis_and_kv_in_lmcache(lmcache_url, redis_server,  # noqa: F811
+                                                            tmp_path):
+    prompt = essay_prompts(1, chars=1500, seed=37)[0] + "\n\nQuestion: what is the claim?\nAnswer:"
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(prompt)
+    _child("donor", lmcache_url, prompt_file, tmp_path / "a.json", redis_server)
+    b = _child("reuse", lmcache_url, prompt_file, tmp_path / "b.json", redis_server)
+    first, outage, local = b["shared"]["semkv"], b["outage"]["semkv"], b["local"]["semkv"]
+    before, after = b["before_outage"], b["metrics"]
+    print("replicas:", json.dumps({  # counts only (shown with pytest -rA)
+        "remote_donors": before.get("vllm:semkv_remote_donors"),
+        "first": {k: first[k] for k in ("provenance", "external_tokens")},
+        "outage": {k: outage[k] for k in ("provenance", "external_tokens")},
+        "lookup_errors": {k: v for k, v in after.items() if "lookup_errors" in k}}))
+    # B discovered A's donor through Redis (its tokens came with the lookup) ...
+    assert before.get("vllm:semkv_remote_donors", 0) >= 1
+    # ... and loaded the prompt's KV, which A computed, from LMCache: the exact tier
+    assert first["provenance"] == "exact_external_kv_hit" and first["external_tokens"] >= 256
+    # Redis killed mid-run: the next request is not failed; LMCache still serves it, and the
+    # discovery failure is counted
+    assert outage["provenance"] == "exact_external_kv_hit", outage
+    assert b["outage"]["tokens"] == b["local"]["tokens"] == b["shared"]["tokens"]
+    errors = sum(v for k, v in after.items() if k.startswith("vllm:semkv_lookup_errors"))
+    assert errors >= 1
+    assert local["local_prefix_tokens"] >= first["external_tokens"]
 
 
 def _multi(url: str, semkv: dict) -> dict:
