@@ -184,7 +184,10 @@ class GuardedProvider:
         self.provider.flush()
 
     def close(self) -> None:
-        self.reset()
+        # NOTE: no provider.reset here: a shared discovery store keeps this engine's donors
+        # (their KV may live on in LMCache; TTLs expire them), and close() releases them.
+        with self._lock:
+            self._pending.clear()
         self._writes.shutdown(wait=True, cancel_futures=False)
         self._lookups.shutdown(wait=False, cancel_futures=True)
         try:

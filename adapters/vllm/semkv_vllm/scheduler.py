@@ -489,7 +489,7 @@ class SchedulerSide:
         return {"semkv": summary}
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def reset(self) -> None:
+    def reset(self, *, provider: bool = True) -> None:
         for st in self.requests.values():
             self._release(st)
             st.saved_blocks, st.registered, st.may_save = 0, False, self._may_save(st)
@@ -499,11 +499,13 @@ class SchedulerSide:
         self.index.evicted_keys.clear()
         self.registry.clear()
         self.shared_donors.clear()
-        if self.provider is not None:
+        if self.provider is not None and provider:
             self.provider.reset()
 
     def shutdown(self) -> None:
-        self.reset()
+        # NOTE: the provider is closed, not reset: a shared discovery store keeps this engine's
+        # donors for the others (their KV may live on in LMCache; TTLs expire them).
+        self.reset(provider=False)
         if self.provider is not None:
             self.provider.close()
 
