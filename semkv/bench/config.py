@@ -15,7 +15,9 @@ from typing import Any
 from semkv.eval.model import ClusterKind
 
 _SEMANTIC_TIERS = ["verified", "semantic"]
-_REALIZED = {"semantic_tiers": ["verified"], "realize_spans": True}
+# request_options: the log-likelihood run scores the answer with reuse_until, so the span
+# covers the prompt only (a realized span would otherwise reach into the appended answer)
+_REALIZED = {"semantic_tiers": ["verified"], "realize_spans": True, "request_options": True}
 
 
 @dataclass(frozen=True)

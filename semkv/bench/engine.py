@@ -169,6 +169,7 @@ def generate_batch(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
 
 
 def answer_logprobs(llm: Any, prompt: Sequence[int], answer: Sequence[int],
+                    options: dict[str, Any] | None = None,
                     ) -> tuple[dict[int, float], dict[str, Any]]:
     """Log-probability of each ``answer`` token after ``prompt`` on this engine, by position.
 
@@ -178,7 +179,7 @@ def answer_logprobs(llm: Any, prompt: Sequence[int], answer: Sequence[int],
     served from reused KV (a stored copy of this very answer, a long wrong donor) have none and
     are left out: callers compare runs on the positions both scored.
     """
-    dists, summary = answer_distributions(llm, prompt, answer, top=0)
+    dists, summary = answer_distributions(llm, prompt, answer, top=0, options=options)
     scored = {i: d[tok] for i, (tok, d) in enumerate(zip(answer, dists, strict=False))
               if d is not None and tok in d}
     return scored, summary

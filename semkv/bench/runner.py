@@ -135,7 +135,12 @@ def run_arm(arm: Arm, config: BenchConfig, wl: Workload, cold: ArmResult | None,
                 result.vllm_hit[t] = generate(llm, wl.ids[t], config.max_tokens)
             answer = (result.miss if is_baseline else cold.miss)[t].output  # type: ignore[union-attr]
             llm.reset_prefix_cache()
-            result.logprob[t], result.logprob_summary[t] = answer_logprobs(llm, wl.ids[t], answer)
+            # with request options the span stops before the answer: every answer position is
+            # scored, under the same span as the target run
+            options = ({"reuse_until": len(wl.ids[t]) - 1} if arm.extra.get("request_options")
+                       else None)
+            result.logprob[t], result.logprob_summary[t] = answer_logprobs(
+                llm, wl.ids[t], answer, options)
             if tick:
                 tick("reuse", 1)
         if config.concurrency > 1 and not arm.negatives_only:
