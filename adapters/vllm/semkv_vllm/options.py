@@ -33,10 +33,15 @@ IGNORED = "request_options_ignored"  # lookup_errors kind: options sent, not all
 
 def read_options(request: Any, config: SemkvConfig, stats: CounterBag,
                  ) -> tuple[RequestOptions | None, bool]:
-    """(options, bad): the request's options; bad when they were sent and do not parse."""
+    """(options, bad): the request's options; bad when they were sent and do not parse (or
+    its recompute fields do not make a valid strategy over the engine's)."""
+    from semkv_vllm.span_admission import strategy_of
+
     try:
         options = parse_options(getattr(request, "kv_transfer_params", None))
-    except BadRequestOptions:
+        if options is not None and config.request_options:
+            strategy_for(strategy_of(config), options)  # the same check the plan will make
+    except (BadRequestOptions, ValueError):
         if not config.request_options:
             stats.inc("lookup_errors", IGNORED)
             return None, False
