@@ -68,10 +68,11 @@ class SemkvConfig(BaseSettings):
         "materialize_semantic's verified tier realizes the span: identical tokens copied from "
         "one or more donors (keys re-rotated), every other span token computed through the "
         "engine's model between engine steps. False: one donor's KV over the span (token swap)."))
-    # Selective recompute inside a realized span (semkv.realize.recompute). "none" until the
-    # quality-vs-recompute frontier of issue #17 is measured on the engine.
+    # Selective recompute inside a realized span (semkv.realize.recompute). first_k (k 16): on
+    # the measured frontier (docs/frontier.md) the cheapest strategy at the fp8-KV floor's mean
+    # KL for cross-instruction and paraphrased lead-in reuse, 4.6x TTFT at 1K tokens.
     recompute_strategy: Literal["none", "first_k", "blend", "first_k_blend"] = Field(
-        default="none", description=(
+        default="first_k", description=(
             "Realized spans: which copied tokens are recomputed through the model. first_k: "
             "the first recompute_first_k of every copied segment; blend: the copied tokens "
             "whose K/V deviate most on the first recompute_probe_layers layers; "
