@@ -161,32 +161,38 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
-    """KL from cold and median ROUGE-L against the recomputed share, per kind (fp8 dashed)."""
+    """KL from cold and median ROUGE-L against the share of the prompt semkv computed in the
+    span, per kind (colour) and strategy (marker); dashed: the kind's fp8 floor."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, (ax_kl, ax_rouge) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for i, (kind, arms) in enumerate(result["summary"].items()):
+    markers = dict(zip(STRATEGIES, "osv^Dx", strict=False))
+    fig, (ax_kl, ax_rouge) = plt.subplots(1, 2, figsize=(11, 4.4))
+    for i, arms in enumerate(result["summary"].values()):
         color = f"C{i}"
-        pts = sorted((s["computed_fraction_mean"] or 0.0, s["kl_mean"], s["rouge_l_median"])
+        pts = sorted((s["computed_fraction_mean"] or 0.0, s["kl_mean"], s["rouge_l_median"], a)
                      for a, s in arms.items() if a in STRATEGIES and s["served"])
-        if pts:
-            ax_kl.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=kind)
-            ax_rouge.plot([p[0] for p in pts], [p[2] for p in pts], "o-", color=color,
-                          label=kind)
+        for ax, k in ((ax_kl, 1), (ax_rouge, 2)):
+            ax.plot([p[0] for p in pts], [p[k] for p in pts], "-", color=color, lw=0.8)
+            for p in pts:
+                ax.plot(p[0], p[k], markers[p[3]], color=color, ms=6, mfc="none")
         floor = arms.get(FLOOR)
         if floor and floor["kl_mean"]:
             ax_kl.axhline(floor["kl_mean"], color=color, ls="--", lw=0.8)
             ax_rouge.axhline(floor["rouge_l_median"], color=color, ls="--", lw=0.8)
     ax_kl.set_yscale("log")
-    ax_kl.set_xlabel("prompt tokens computed by semkv in the span (gaps + recomputed)")
+    for ax in (ax_kl, ax_rouge):
+        ax.set_xlabel("share of the prompt computed by semkv in the span (gaps + recomputed)")
     ax_kl.set_ylabel("mean per-token KL from cold (nats)")
-    ax_rouge.set_xlabel("prompt tokens computed by semkv in the span (gaps + recomputed)")
     ax_rouge.set_ylabel("median ROUGE-L vs cold")
-    ax_kl.set_title("dashed: fp8 KV floor (same kind)")
-    ax_rouge.legend(fontsize=7)
+    ax_kl.set_title("dashed: fp8 KV floor (same colour)", fontsize=9)
+    kinds = [Line2D([], [], color=f"C{i}", label=k) for i, k in enumerate(result["summary"])]
+    shapes = [Line2D([], [], color="k", marker=m, ls="", mfc="none", label=a.split(":")[1])
+              for a, m in markers.items() if any(a in arms for arms in result["summary"].values())]
+    ax_rouge.legend(handles=kinds + shapes, fontsize=7, loc="center right")
     fig.tight_layout()
     path = out_dir / "frontier.png"
     fig.savefig(path, dpi=110)
