@@ -89,9 +89,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"semkv bench: {exc}", file=sys.stderr)
         return 2
+    from semkv.eval import WorkloadSizeError
+
     out = Path(args.out or f"bench-results/bench-{config.preset}")
-    result = run_bench(config, out, show_progress=not args.no_progress, plots=not args.no_plots,
-                       describe=lambda arm: print(f"semkv bench: arm {arm}", file=sys.stderr))
+    try:
+        result = run_bench(config, out, show_progress=not args.no_progress,
+                           plots=not args.no_plots,
+                           describe=lambda arm: print(f"semkv bench: arm {arm}", file=sys.stderr))
+    except WorkloadSizeError as exc:  # before any engine starts: the corpora are too small
+        print(f"semkv bench: {exc}", file=sys.stderr)
+        return 2
     print((out / "bench.md").read_text())
     print(f"raw JSON: {out / 'bench.json'}; plots: {', '.join(result['plots']) or 'none'}")
     return 0

@@ -39,3 +39,13 @@ def test_model_path_points_to_a_converted_model():
     assert os.path.isfile(os.path.join(folder, "model.safetensors"))
     with open(os.path.join(folder, "config.json")) as fh:
         assert json.load(fh)["num_hidden_layers"] == 30
+
+
+def test_bench_says_when_the_corpora_cannot_supply_the_workload():
+    """Before any engine starts: a clear message and exit 2, no traceback."""
+    out = subprocess.run(SEMKV + ["bench", "--preset", "frontier-long", "--clusters", "400",
+                                  "--kinds", "cross_instruction", "--no-progress",
+                                  "--out", "/tmp/semkv-bench-too-large"],
+                         capture_output=True, text=True, env=_env(), timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "semkv bench: not enough" in out.stderr and "Traceback" not in out.stderr

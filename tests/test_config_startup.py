@@ -40,7 +40,8 @@ INVALID: dict[str, st.SearchStrategy[Any]] = {
     "request_options": _NOT_BOOL,
     "realize_spans": _NOT_BOOL,
     "recompute_strategy": st.one_of(
-        st.text(max_size=10).filter(lambda v: v not in ("none", "first_k", "blend", "first_k_blend")),
+        st.text(max_size=10).filter(
+            lambda v: v not in ("none", "first_k", "blend", "first_k_blend")),
         st.just("full"), st.integers()),
     "recompute_fraction": st.one_of(st.floats(1.0001, 1e9), st.floats(-1e9, -0.0001),
                                     st.just(float("nan")), st.just("most")),
