@@ -186,9 +186,9 @@ class FrontierRun:
             rows.append(_row(t, wl, arm, run, cold, cold_dists, teacher, rc))
         if self.floor:
             self._gen(ids, {"lookup": False}, 1)  # the target's own KV, stored
-            option = {"kv_floor": "fp8_e4m3"}
-            run = self._gen(ids, option, n)
-            teacher = _teacher(self._teach(ids, cold.output, option), cold_dists, cold.output)
+            floor: dict[str, Any] = {"kv_floor": "fp8_e4m3"}
+            run = self._gen(ids, floor, n)
+            teacher = _teacher(self._teach(ids, cold.output, floor), cold_dists, cold.output)
             rows.append(_row(t, wl, FLOOR, run, cold, cold_dists, teacher, rc))
         return rows
 
