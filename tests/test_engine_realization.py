@@ -80,9 +80,10 @@ def recorder() -> Iterator[Recorder]:
     plan, write = span_admission.SpanAdmission.plan, SpanRealizer.write
 
     def recording_plan(self: Any, request_id: str, target: Any, local: int, candidates: Any,
-                       view: Any, namespace: str, exact: Any, recompute: Any = None) -> Any:
+                       view: Any, namespace: str, exact: Any, recompute: Any = None,
+                       until: Any = None) -> Any:
         out = plan(self, request_id, target, local, candidates, view, namespace, exact,
-                   recompute)
+                   recompute, until)
         if isinstance(out, tuple):
             match, hold = out
             if rec.all_gaps:  # keep the leases, copy nothing: every span token computed
