@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from semkv.config import SemkvConfig
 from semkv.metrics import CounterBag
-from semkv.request_options import BadRequestOptions, RequestOptions, parse_options
+from semkv.request_options import OPTIONS_KEY, RequestOptions, parse_options
 from semkv.types import QualityTier, SemanticKVMatch
 
 if TYPE_CHECKING:
@@ -37,19 +37,17 @@ def read_options(request: Any, config: SemkvConfig, stats: CounterBag,
     its recompute fields do not make a valid strategy over the engine's)."""
     from semkv_vllm.span_admission import strategy_of
 
-    try:
-        options = parse_options(getattr(request, "kv_transfer_params", None))
-        if options is not None and config.request_options:
-            strategy_for(strategy_of(config), options)  # the same check the plan will make
-    except (BadRequestOptions, ValueError):
-        if not config.request_options:
+    params = getattr(request, "kv_transfer_params", None)
+    if not config.request_options:
+        if isinstance(params, dict) and OPTIONS_KEY in params:
             stats.inc("lookup_errors", IGNORED)
-            return None, False
+        return None, False
+    try:
+        options = parse_options(params)
+        strategy_for(strategy_of(config), options)  # the same check the plan will make
+    except ValueError:  # BadRequestOptions included
         stats.inc("lookup_errors", BAD)
         return None, True
-    if options is not None and not config.request_options:
-        stats.inc("lookup_errors", IGNORED)
-        return None, False
     return options, False
 
 
