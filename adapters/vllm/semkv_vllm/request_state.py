@@ -7,6 +7,7 @@ from typing import Any
 
 from semkv.admission import Assessment
 from semkv.namespace import Namespace
+from semkv.realize.recompute import RecomputeStrategy
 from semkv.request_options import RequestOptions
 from semkv.types import SemanticKVMatch
 from semkv_vllm.span_admission import SpanHold
@@ -34,3 +35,4 @@ class RequestState:
     span: SpanHold | None = None  # a realized span's plan, leases and pinned slots
     options: RequestOptions | None = None  # its semkv_options (request_options: true)
     bad_options: bool = False  # it sent options that do not parse: normal prefill
+    recompute: RecomputeStrategy | None = None  # its span's strategy (read_options)

@@ -54,7 +54,7 @@ from semkv.types import (
 )
 from semkv_vllm.donor_registry import Donor, DonorRegistry
 from semkv_vllm.metadata import LoadOp, RealizeOp, SemkvMetadata, SemkvWorkerMetadata
-from semkv_vllm.options import cap_match, read_options, strategy_for
+from semkv_vllm.options import cap_match, read_options
 from semkv_vllm.provenance import account, count_decision
 from semkv_vllm.request_state import RequestState
 from semkv_vllm.span_admission import SpanAdmission, strategy_of
@@ -102,6 +102,7 @@ class SchedulerSide:
                                     self._donor_keys)
                       if (self.materialize and config.realize_spans and shared_lookup is None
                           and QualityTier.VERIFIED in config.semantic_tiers) else None)
+        self.recompute = strategy_of(config)  # the engine's; a request's options lay over it
         self.remote_donors: dict[str, DonorView] = {}  # this decision's other-engine donors
         if provider is not None:
             provider.known = lambda d: d in self.registry.donors or d in self.shared_donors
@@ -124,7 +125,8 @@ class SchedulerSide:
                 cache_salt=request.cache_salt,
             )
             st = self.requests[request.request_id] = RequestState(request, ns)
-            st.options, st.bad_options = read_options(request, self.config, self.stats)
+            st.options, st.recompute, st.bad_options = read_options(
+                request, self.config, self.stats, self.recompute)
             st.may_save = self._may_save(st)
         return st
 
@@ -264,7 +266,7 @@ class SchedulerSide:
         refusal = self._refuse_non_exact(st.assessment, realize=True)
         planned = (refusal if refusal is not None else self.spans.plan(
             rid, st.request.all_token_ids, local, candidates, self._donor_view,
-            st.namespace.digest, exact, strategy_for(strategy_of(self.config), st.options),
+            st.namespace.digest, exact, st.recompute,
             st.options.reuse_until if st.options is not None else None))
         if not isinstance(planned, FallbackReason):
             if match.is_hit:
