@@ -19,9 +19,8 @@ NOTE: a provider exception, timeout or malformed answer ends in (0, False): norm
 NOTE: in ``discovery_only`` nothing is saved or loaded; donors are registered by tokens only,
 so the stats can say what each tier would have reused.
 NOTE: with a shared discovery store (``provider_config.discovery_store``) candidates may be
-another engine's donors; their tokens come with the lookup (``LookupResult.remote``). In
-``discovery_only`` they are assessed like this engine's own (fleet-wide telemetry); a
-materializing engine has none of their KV in its host store: ``donor_stale``.
+another engine's donors (``foreign_donors.py``): assessed in ``discovery_only``, ``donor_stale``
+for a materializing engine (it has none of their KV).
 NOTE: with a shared store (``donor_store: lmcache``, see ``lmcache_store.py``) the store itself
 is asked first: the prefix of the request it holds becomes one more exact-tier candidate (the
 request's own tokens, so every process that computed them agrees), admitted like any donor.
@@ -36,7 +35,7 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
-from semkv.admission import Admission, Assessment, DonorView, as_tokens
+from semkv.admission import Admission, Assessment, DonorView
 from semkv.config import SemkvConfig
 from semkv.gates import full_prompt_cap
 from semkv.leases import LeaseTable
@@ -53,6 +52,7 @@ from semkv.types import (
     SemanticKVMatch,
 )
 from semkv_vllm.donor_registry import Donor, DonorRegistry
+from semkv_vllm.foreign_donors import ForeignDonors
 from semkv_vllm.metadata import LoadOp, RealizeOp, SemkvMetadata, SemkvWorkerMetadata
 from semkv_vllm.options import cap_match, read_options
 from semkv_vllm.provenance import account, count_decision
@@ -84,7 +84,6 @@ class SchedulerSide:
         # prefix, None while its lookup runs. Such stores load between steps.
         self.shared_lookup = shared_lookup
         self.async_load = config.async_load or shared_lookup is not None
-        self.shared_donors: dict[str, DonorView] = {}
         self.materialize = config.semantic_mode.materializes
         self.index = StoreIndex(num_slots)
         self.leases = LeaseTable()
@@ -93,6 +92,8 @@ class SchedulerSide:
         self.pending_loads: list[LoadOp] = []
         self.pending_realizes: list[RealizeOp] = []
         self.stats = CounterBag()
+        self.foreign = ForeignDonors(self.leases, block_size, self.stats,
+                                     materialize=self.materialize)
         self.registry = DonorRegistry(
             config, block_size=block_size, index=self.index, leases=self.leases,
             provider=provider, stats=self.stats,
@@ -103,9 +104,8 @@ class SchedulerSide:
                       if (self.materialize and config.realize_spans and shared_lookup is None
                           and QualityTier.VERIFIED in config.semantic_tiers) else None)
         self.recompute = strategy_of(config)  # the engine's; a request's options lay over it
-        self.remote_donors: dict[str, DonorView] = {}  # this decision's other-engine donors
         if provider is not None:
-            provider.known = lambda d: d in self.registry.donors or d in self.shared_donors
+            provider.known = lambda d: d in self.registry.donors or self.foreign.is_shared(d)
         self.hook_seconds = 0.0  # connector hooks' time since the last stats export
         self.kv_cache_manager: Any = None
         self._exported: dict[str, int] = {}  # the guard's counters, as last exported
@@ -213,24 +213,25 @@ class SchedulerSide:
         if result is None:
             return None
         candidates = list(result.candidates)
-        self._remote_views(result.remote, candidates)
+        self.foreign.remote_views(result.remote, candidates)
         if shared:
-            candidates.insert(0, self._shared_candidate(st, local, shared))
+            candidates.insert(0, self.foreign.shared_candidate(st.request, st.namespace.digest,
+                                                               local + shared))
         elif result.reason is not None:
             return SemanticKVMatch.fallback(rid, result.reason, local_prefix_tokens=local)
         match, st.assessment = self.admission.decide(
             rid, tokens, local, candidates, self._donor_view, self.leases.acquire,
             st.namespace, synchronous=not self.async_load)
-        if match.donor_id in self.shared_donors and match.is_hit and shared:
+        if self.foreign.is_shared(match.donor_id) and match.is_hit and shared:
             # The shared store loads exactly what it answered (whole chunks; never the last
             # prompt token), and admission passed a span no longer than that.
             match = match.model_copy(update={"external_prefix_tokens": shared,
                                              "donor_prefix_tokens": local + shared})
         elif shared:
-            self._drop_shared(rid)
+            self.foreign.drop_shared(rid)
         until = st.options.reuse_until if st.options is not None else None
         capped = cap_match(match, until, self.bs)
-        if match.donor_id in self.shared_donors and capped is not match:
+        if self.foreign.is_shared(match.donor_id) and capped is not match:
             capped = None  # a shared store loads exactly what it answered: never cut
         if capped is None:  # a request option keeps semkv's KV off the positions it reaches
             self.leases.release(match.donor_lease_id or "")
@@ -238,7 +239,7 @@ class SchedulerSide:
                                              local_prefix_tokens=local)
         else:
             match = capped
-        if self.spans is not None and not (match.is_hit and match.donor_id in self.shared_donors):
+        if self.spans is not None and not (match.is_hit and self.foreign.is_shared(match.donor_id)):
             realized = self._realize(st, local, candidates, match)
             if realized is not None:
                 return realized
@@ -284,21 +285,6 @@ class SchedulerSide:
         donor = self.registry.donors.get(donor_id)
         return None if donor is None else donor.keys
 
-    def _shared_candidate(self, st: RequestState, local: int, tokens: int) -> Candidate:
-        """The shared store's prefix of this request, as a transient exact-tier donor."""
-        donor_id = f"shared:{st.request.request_id}"
-        digest = st.namespace.digest
-        stored = local + tokens
-        self.shared_donors[donor_id] = DonorView(
-            donor_id, digest, as_tokens(st.request.all_token_ids[:stored]), stored)
-        self.leases.publish(donor_id)
-        return Candidate(donor_id=donor_id, namespace=digest, similarity=1.0)
-
-    def _drop_shared(self, request_id: str) -> None:
-        donor_id = f"shared:{request_id}"
-        if donor_id in self.shared_donors and self.leases.try_retire(donor_id):
-            del self.shared_donors[donor_id]
-
     def _refuse_non_exact(self, assessment: Assessment | None,
                           realize: bool = False) -> FallbackReason | None:
         """Engine-side conditions for request-only reuse (admission judged the tokens)."""
@@ -323,27 +309,11 @@ class SchedulerSide:
         return self.provider.poll(st.request.request_id)
 
     def _donor_view(self, donor_id: str) -> DonorView | None:
-        if donor_id in self.shared_donors:
-            return self.shared_donors[donor_id]
-        return self.registry.view(donor_id) or self.remote_donors.get(donor_id)
-
-    def _remote_views(self, remote: dict[str, tuple[int, ...]],
-                      candidates: list[Candidate]) -> None:
-        """Views of other engines' donors for this decision (discovery_only: their KV is never
-        loaded, only assessed; a materializing engine has none of it: no view, donor_stale)."""
-        self.remote_donors = {}
-        for c in candidates:
-            tokens = remote.get(c.donor_id)
-            if tokens is None:
-                continue
-            self.stats.inc("remote_donors")
-            if not self.materialize:
-                stored = len(tokens) - len(tokens) % self.bs
-                self.remote_donors[c.donor_id] = DonorView(c.donor_id, c.namespace,
-                                                           as_tokens(tokens), stored)
+        return (self.foreign.shared.get(donor_id) or self.registry.view(donor_id)
+                or self.foreign.remote.get(donor_id))
 
     def _pin(self, st: RequestState, match: SemanticKVMatch) -> bool:
-        if not self.materialize or match.donor_id in self.shared_donors:
+        if not self.materialize or self.foreign.is_shared(match.donor_id):
             return True  # a shared store holds its own locks from lookup to load
         donor = self.registry.donors[match.donor_id or ""]
         first, count = self._donor_blocks(st, match)
@@ -372,7 +342,7 @@ class SchedulerSide:
             self.leases.release(st.decision.donor_lease_id)
         if st.pinned:
             self.index.unpin(st.pinned)
-        self._drop_shared(st.request.request_id)
+        self.foreign.drop_shared(st.request.request_id)
         st.pinned, st.generations, st.planned = [], [], False
         st.decision, st.decided_for, st.answer = None, None, (0, False)
 
@@ -400,7 +370,7 @@ class SchedulerSide:
             st.decided_for = (local, request.num_preemptions)
             return
         d = st.decision
-        if d.donor_id in self.shared_donors:  # the shared store's connector loads it
+        if self.foreign.is_shared(d.donor_id):  # the shared store's connector loads it
             self.stats.inc("materialize_requests", d.quality_tier)
             st.planned = True
             return
@@ -500,7 +470,7 @@ class SchedulerSide:
         self.index.clear()
         self.index.evicted_keys.clear()
         self.registry.clear()
-        self.shared_donors.clear()
+        self.foreign.clear()
         if self.provider is not None and provider:
             self.provider.reset()
 
