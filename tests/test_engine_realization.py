@@ -238,7 +238,8 @@ def test_shifted_multi_donor_realization_runs_end_to_end(llm, rag):
     assert s["provenance"] == "request_only_semantic_reuse" and s["tier"] == "verified", s
     assert s["confirmed_loaded_tokens"] == s["external_tokens"] == plan.num_tokens
     assert len(plan.donors) >= 2 and plan.shifted_tokens >= 256 and plan.computed_tokens > 0
-    assert s["span"] == plan.summary()  # what the request's provenance reports
+    # what the request's provenance reports (this module's engine recomputes nothing by default)
+    assert s["span"] == {**plan.summary(), "recomputed": 0}
     assert plan.copied_tokens >= 0.5 * len(rag["warm"].prompt_token_ids)
     delta = rag["delta"]
     assert delta["vllm:semkv_span_tokens:copied"] == plan.copied_tokens
@@ -316,6 +317,7 @@ def test_blend_recomputing_every_copied_token_equals_cold(llm, recorder, kind, s
     assert plan.copied_tokens >= 64 and plan.shifted_tokens > 0, plan.summary()
     assert list(out["realized"].recomputed) == copied(plan)
     assert out["delta"]["vllm:semkv_span_tokens:recomputed"] == plan.copied_tokens
+    assert s["span"]["recomputed"] == plan.copied_tokens  # and the request's own summary
     print(f"\n{kind}: blend 1.0 recomputed {plan.copied_tokens} copied tokens "
           f"({plan.summary()}), realized in {out['realized'].seconds:.2f} s")
     assert out["warm"].outputs[0].token_ids == out["cold"].outputs[0].token_ids

@@ -73,6 +73,8 @@ def account(stats: CounterBag, st: RequestState) -> dict[str, Any]:
         "donor_id": d.donor_id if d is not None else None,
         # served tokens identical to the target's own (1.0 for exact/verified hits)
         "similarity": d.similarity if d is not None and tier is not None else None,
-        # a realized span: tokens copied (of which shifted), computed inside it, donors used
-        "span": st.span.plan.summary() if st.span is not None and tier is not None else None,
+        # a realized span: tokens copied (of which shifted and recomputed), computed inside it,
+        # donors used
+        "span": ({**st.span.plan.summary(), "recomputed": st.recomputed_tokens}
+                 if st.span is not None and tier is not None else None),
     }

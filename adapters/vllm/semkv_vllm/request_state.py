@@ -26,6 +26,7 @@ class RequestState:
     generations: list[int] = field(default_factory=list)
     planned: bool = False
     loaded_tokens: int = 0  # confirmed by the worker
+    recomputed_tokens: int = 0  # copied tokens its realization recomputed (worker-confirmed)
     load_failed: bool = False
     errored: bool = False  # vLLM ended it for its failed load (kv_load_failure_policy fail)
     saved_blocks: int = 0

@@ -438,8 +438,8 @@ class SchedulerSide:
                     self.stats.inc("span_tokens", "copied", plan.copied_tokens)
                     self.stats.inc("span_tokens", "shifted", plan.shifted_tokens)
                     self.stats.inc("span_tokens", "computed", plan.computed_tokens)
-                    self.stats.inc("span_tokens", "recomputed",
-                                   worker_meta.recomputed.get(rid, 0))
+                    st.recomputed_tokens = worker_meta.recomputed.get(rid, 0)
+                    self.stats.inc("span_tokens", "recomputed", st.recomputed_tokens)
         for rid in worker_meta.failed:
             st = self.requests.get(rid)
             if st is not None:
