@@ -38,6 +38,11 @@ FAMILIES: dict[str, tuple[str | None, str]] = {
     "loaded_tokens": (None, "Tokens whose KV the worker actually copied in (confirmed)."),
     "loaded_blocks": (None, "Blocks copied from the donor store into engine blocks."),
     "saved_blocks": (None, "Blocks copied from engine blocks into the donor store."),
+    "fetch_missing": (None, "Realized spans refused because the shared KV store no longer "
+                            "held a donor's prefix (donor_stale)."),
+    "fetched_blocks": ("outcome", "Donor blocks retrieved from a shared KV store into host "
+                                  "slots for realized spans (donor_store: lmcache): landed or "
+                                  "failed."),
     "request_only_blocks": (None, "Blocks served request-only: never exact prefix-cache state."),
     "span_tokens": ("kind", "Realized spans' tokens (worker-confirmed): copied from donors, of "
                             "which shifted (keys re-rotated), computed inside the span, and "

@@ -10,6 +10,11 @@ The module starts one ``lmcache server`` on a free loopback port and kills it at
   server (``discovery_store``): the second discovers the first's donor there (its tokens come
   with the lookup) and loads its KV through LMCache; the server is then killed while the
   second engine runs: its next request is still served (LMCache), the lookup failure counted.
+- Realized spans across replicas: one process serves two donors; a second (same Redis, same
+  server) realizes a target holding both documents behind a new instruction from their KV,
+  fetched out of LMCache into its host slots; a third, ``donor_store: host``, realizes the
+  same target from its own host store: same plan, same greedy answer. The fetch on its own
+  (``lmcache_fetch``): fetched blocks bit-identical to vLLM's own for the same tokens.
 - Beside LMCache under vLLM's ``MultiConnector`` (LMCache's ``LMCacheMPConnector`` first, semkv
   second): LMCache serves the exact rerun of a prompt; semkv serves the verified tier (the same
   document behind another, locally cached instruction), which LMCache's prefix keys cannot
@@ -237,3 +242,92 @@ def test_beside_lmcache_under_multiconnector(lmcache_url):
     assert summary["provenance"] == "request_only_semantic_reuse", summary
     assert summary["local_prefix_tokens"] == 64
     assert summary["tier"] == "verified" and summary["confirmed_loaded_tokens"] >= 256
+
+
+
+def test_another_replicas_donor_is_fetched_into_host_slots_bit_identical(lmcache_url, tmp_path):
+    """The fetch under realized spans (``semkv_vllm.lmcache_fetch``): a donor's chunks, stored
+    in the server by an engine, retrieved into a semkv-owned host store of vLLM's page shape
+    through a second LMCache worker connector, equal vLLM's own blocks for the same tokens bit
+    for bit."""
+    out = tmp_path / "fetch.json"
+    args = [sys.executable, "-m", "tests.lmcache_fetch_child", lmcache_url, str(out)]
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run(args, cwd=ROOT, env=env, timeout=900, capture_output=True)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    result = json.loads(out.read_text())
+    print("lmcache fetch:", json.dumps(result))
+    assert result["ready"] is True and result["finished"] == ["semkv-fetch-0"]
+    assert result["error_slots"] == [] and result["compared_blocks"] >= 16
+    assert result["identical"]
+
+
+def _realize_child(role: str, data: Path, out: Path, url: str | None = None,
+                   redis: RedisServer | None = None) -> dict:
+    """One vLLM process of tests/lmcache_realize_child.py, in its own group, always reaped."""
+    args = [sys.executable, "-m", "tests.lmcache_realize_child", role, str(data), str(out)]
+    if url is not None and redis is not None:
+        args += [url, redis.url]
+    proc = subprocess.Popen(args, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        logs, _ = proc.communicate(timeout=900)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, f"{role} process failed ({proc.returncode}):\n" + (
+        logs.decode(errors="replace")[-4000:])
+    return json.loads(out.read_text())
+
+
+def test_replica_realizes_a_span_from_another_replicas_donors_through_lmcache(
+        lmcache_url, redis_server, tmp_path):  # noqa: F811
+    """Two donors served by one process; a target that holds both documents, moved behind an
+    instruction, served by another: planned from the first's donors (Redis), realized from
+    their KV fetched out of LMCache, and answered as the single-instance realization does."""
+    from transformers import AutoTokenizer
+
+    from semkv.bundled_model import ensure_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_model()))
+    first, second, other = essay_prompts(3, chars=1500, seed=43)
+    doc1 = tokenizer(first)["input_ids"][:320]  # ten whole blocks each
+    doc2 = tokenizer(second)["input_ids"][:320]
+    instruction = tokenizer(other)["input_ids"][:64]
+    question = tokenizer("\n\nQuestion: what do the two passages claim?\nAnswer:")["input_ids"]
+    data = tmp_path / "prompts.json"
+    data.write_text(json.dumps({"donors": [doc1 + question, doc2 + question],
+                                "target": instruction + doc2 + doc1 + question}))
+    _realize_child("donor", data, tmp_path / "a.json", lmcache_url, redis_server)
+    b = _realize_child("realize", data, tmp_path / "b.json", lmcache_url, redis_server)
+    host = _realize_child("host", data, tmp_path / "host.json")
+    summary, reference = b["target"]["semkv"], host["target"]["semkv"]
+    metrics = b["metrics"]
+    print("cross-replica realization:", json.dumps({  # counts only (shown with pytest -rA)
+        "replica": {k: summary[k] for k in ("provenance", "tier", "external_tokens",
+                                             "confirmed_loaded_tokens", "span")},
+        "single_instance_span": reference["span"],
+        "fetched_blocks": {k: v for k, v in metrics.items() if "fetched_blocks" in k},
+        "remote_donors": metrics.get("vllm:semkv_remote_donors"),
+        "again": b["again"]["semkv"]["provenance"],
+        "equal_to_single_instance": b["target"]["tokens"] == host["target"]["tokens"],
+        "equal_to_cold": b["target"]["tokens"] == b["cold"]["tokens"]}))
+    # The second process found the first's donors through Redis ...
+    assert metrics.get("vllm:semkv_remote_donors", 0) >= 2
+    # ... and realized the target from their KV, fetched out of LMCache: both documents moved
+    assert summary["provenance"] == "request_only_semantic_reuse", summary
+    assert summary["tier"] == "verified"
+    assert summary["confirmed_loaded_tokens"] == summary["external_tokens"] >= 640
+    span = summary["span"]
+    assert span["donors"] == 2 and span["shifted"] >= 576 and span["computed"] > 0, span
+    assert metrics.get("vllm:semkv_fetched_blocks:landed", 0) >= 20
+    assert metrics.get("vllm:semkv_fetched_blocks:failed", 0) == 0
+    # The same plan and the same answer as one instance realizing from its own host store
+    assert reference["provenance"] == "request_only_semantic_reuse", reference
+    assert span == reference["span"]
+    assert b["target"]["tokens"] == host["target"]["tokens"]
+    # Request-only KV never entered LMCache: the rerun is realized again, not an exact hit
+    assert b["again"]["semkv"]["provenance"] == "request_only_semantic_reuse", b["again"]
+    assert b["again"]["tokens"] == b["target"]["tokens"]

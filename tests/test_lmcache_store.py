@@ -24,11 +24,16 @@ def _vllm(lora: object = None) -> SimpleNamespace:
     return SimpleNamespace(lora_config=lora)
 
 
-def test_lmcache_store_refuses_non_exact_tiers_and_lora_at_start_up():
-    semantic = SemkvConfig.load({"donor_store": "lmcache", "semantic_mode": "materialize_semantic",
-                                 "semantic_tiers": ["verified"]})
-    with pytest.raises(ConfigError, match="exact tier only"):
-        lmcache_store.check_setup(semantic, _vllm())
+def test_lmcache_store_takes_the_verified_tier_only_as_realized_spans_and_refuses_lora():
+    def semantic(tiers: list[str], realize: bool) -> SemkvConfig:
+        return SemkvConfig.load({"donor_store": "lmcache", "semantic_mode": "materialize_semantic",
+                                 "semantic_tiers": tiers, "realize_spans": realize})
+
+    for tiers, realize in ((["verified"], False), (["semantic"], True),
+                           (["verified", "semantic"], True)):
+        with pytest.raises(ConfigError, match="realized spans"):
+            lmcache_store.check_setup(semantic(tiers, realize), _vllm())
+    lmcache_store.check_setup(semantic(["verified"], True), _vllm())  # fetched, then realized
     exact = SemkvConfig.load({"donor_store": "lmcache", "semantic_mode": "materialize_exact"})
     with pytest.raises(ConfigError, match="LoRA"):
         lmcache_store.check_setup(exact, _vllm(lora=object()))

@@ -16,7 +16,9 @@ config) raise at engine start-up, naming the problem; nothing starts half-config
 NOTE: the connector is a best-effort cache: ``requires_kv_delivery`` is False, and every
 failure at request time ends in normal prefill.
 NOTE: with ``donor_store: lmcache`` an embedded LMCache connector (``lmcache_store.py``) stores
-and moves the KV; every hook below is forwarded to it as well.
+and moves the KV; every hook below is forwarded to it as well. With realized spans on too, a
+second one in each worker fetches donors into semkv's host slots (``lmcache_fetch.py``); LMCache
+never stores a request semkv served request-only, and loads only what semkv took from it.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self.config, vllm_config, role, kv_cache_config)
         semantic = (self.config.semantic_mode is Mode.MATERIALIZE_SEMANTIC
                     and bool(self.config.semantic_tiers))
+        # donor_store=lmcache with realized spans: donors are fetched into host slots
+        self._fetches = self._shared is not None and semantic and self.config.realize_spans
         rope = RopeShift.from_vllm_config(vllm_config) if semantic else None
         slots, per_slot = store_geometry(self.config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
@@ -105,7 +109,8 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
                 request_only_enforced=lambda: (
                     self.commit_policy_enforced
                     or not vllm_config.cache_config.enable_prefix_caching),
-                shared_lookup=self._shared_lookup if self._shared is not None else None)
+                shared_lookup=self._shared_lookup if self._shared is not None else None,
+                fetch_lookups=self._fetch_lookups())
             log.info("semkv_connector_ready", mode=str(self.config.semantic_mode),
                      provider=self.config.provider, slots=slots, bytes_per_slot=per_slot)
         else:
@@ -113,6 +118,13 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = WorkerSide(slots, layerwise=self.config.layerwise_load, rope=rope,
                                       async_save=self.config.async_save)
         self._semantic = semantic
+
+    def _fetch_lookups(self) -> Any:
+        if not self._fetches:
+            return None
+        from semkv_vllm.lmcache_fetch import FetchLookups
+
+        return FetchLookups(self._shared.scheduler_adapter)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -126,8 +138,15 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
 
             init_cpu_amx()
             self._shared.register_kv_caches(kv_caches)
-        elif self.config.semantic_mode.materializes:
-            self._worker.register_kv_caches(kv_caches)
+        if self.config.semantic_mode.materializes and (self._shared is None or self._fetches):
+            self._worker.register_kv_caches(kv_caches)  # with LMCache: the fetches' slots
+        if self._fetches:
+            from semkv_vllm.lmcache_fetch import HostFetcher
+
+            self._worker.fetcher = HostFetcher(
+                self._vllm_config, self.config, self._kv_cache_config,
+                namespace_from_vllm_config(self._vllm_config).digest)
+            self._worker.fetcher.register(self._worker.store)
         if self._semantic:
             self._worker.layout = probe_layout(self._vllm_config, kv_caches)
             self._worker.report_layout = True
@@ -285,10 +304,14 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         assert self._scheduler is not None
+        shared = self._shared is not None and self._scheduler.loads_from_shared(
+            request.request_id)
         with self._timed():
             self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
         if self._shared is not None:  # it also tracks every request's blocks for its saves
-            self._shared.update_state_after_alloc(request, blocks, num_external_tokens)
+            # it loads only what semkv took from it (never into a realized span)
+            self._shared.update_state_after_alloc(request, blocks,
+                                                  num_external_tokens if shared else 0)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -296,6 +319,11 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
             meta = self._scheduler.build_connector_meta(scheduler_output)
         if self._shared is not None:
             meta.shared = self._shared.build_connector_meta(scheduler_output)
+            keep_out = self._scheduler.keeps_out_of_shared_store
+            requests = getattr(meta.shared, "requests", None)
+            if requests:  # request-only KV (and opted-out requests) never enter the store
+                meta.shared.requests = [r for r in requests if r.direction != "STORE"
+                                        or not keep_out(r.request_id)]
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

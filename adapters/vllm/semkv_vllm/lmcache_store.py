@@ -17,9 +17,11 @@ LMCache the model name ``<model>#semkv-<namespace digest>``: two processes that 
 revision, tokenizer, dtypes, block size and attention layout agree on every key; anything else
 never meets (also not a plain ``LMCacheMPConnector`` on the same server).
 
-NOTE: only the exact tier can be served from LMCache (it writes whole chunks straight into
-vLLM's pages; verified/semantic loads edit pages token by token from semkv's own store), and
-LMCache keys carry no LoRA identity: both are refused at start-up.
+NOTE: LMCache itself serves the exact tier (it writes whole chunks straight into vLLM's pages).
+The verified tier is served as realized spans only (``realize_spans``): donors' chunks are
+fetched into semkv's host slots and realized from there (``lmcache_fetch.py``); single-donor
+token-level loads and the semantic tier need semkv's own store. LMCache keys carry no LoRA
+identity. All else is refused at start-up.
 NOTE: LMCache loads asynchronously (between scheduler steps), so the scheduler answers
 ``load_async=True`` and admission applies the asynchronous full-prompt cap.
 NOTE: vLLM-CPU dies with SIGILL when a fresh process's first forward pass reads an externally
@@ -34,7 +36,7 @@ from typing import Any
 
 from semkv.config import ConfigError, SemkvConfig
 from semkv.log import get_logger
-from semkv.types import Mode
+from semkv.types import Mode, QualityTier
 
 log = get_logger("semkv.vllm.lmcache")
 INSTALL_HINT = "donor_store=lmcache needs LMCache: pip install 'semkv-vllm[lmcache]'"
@@ -54,10 +56,13 @@ def lmcache_connector_class() -> type:
 
 def check_setup(config: SemkvConfig, vllm_config: Any) -> None:
     """Start-up checks for ``donor_store: lmcache`` (raise naming the problem)."""
-    if config.semantic_mode is Mode.MATERIALIZE_SEMANTIC and config.semantic_tiers:
+    tiers = {QualityTier(t) for t in config.semantic_tiers}
+    if config.semantic_mode is Mode.MATERIALIZE_SEMANTIC and tiers and (
+            tiers != {QualityTier.VERIFIED} or not config.realize_spans):
         raise ConfigError(
-            "donor_store=lmcache serves the exact tier only (LMCache writes whole chunks into "
-            "vLLM's pages); set semantic_tiers to [] or donor_store to host")
+            "donor_store=lmcache serves the exact tier, and the verified tier as realized spans "
+            "(donors fetched into host slots); set semantic_tiers to [] or [verified] with "
+            "realize_spans true, or donor_store to host")
     if vllm_config.lora_config is not None:
         raise ConfigError("donor_store=lmcache: LMCache keys carry no LoRA identity; "
                           "use donor_store=host with LoRA adapters")

@@ -3,7 +3,8 @@
 NOTE: everything here is plain data (ints and strings) so it pickles cheaply across vLLM's
 process boundary. Block and slot numbers travel; token ids only for the span tokens a
 ``RealizeOp`` may compute (its gaps, and the copied tokens its recompute strategy may select),
-as vLLM's own ``SchedulerOutput`` carries prompt ids to the workers.
+as vLLM's own ``SchedulerOutput`` carries prompt ids to the workers, and for the donor prefixes
+a ``FetchOp`` retrieves from a shared KV store (its keys are made from them).
 Nothing here is ever logged.
 """
 
@@ -54,6 +55,23 @@ class CopySource:
 
 
 @dataclass
+class FetchOp:
+    """Retrieve a donor's tokens ``[0, end)`` from the shared KV store into store ``slots``
+    (one slot per block; ``donor_store: lmcache``, ``lmcache_fetch.py``). On success every slot
+    takes its ``generations`` entry, so the copies that read them see current slots.
+
+    NOTE: the donor's token ids travel: the shared store keys its chunks by them.
+    """
+
+    fetch_id: str
+    token_ids: list[int]
+    end: int
+    slots: list[int]
+    generations: list[int]
+    cache_salt: str = ""
+
+
+@dataclass
 class RealizeOp:
     """Realize a request's external span ``[local_tokens, span_tokens)`` into its blocks.
 
@@ -63,7 +81,8 @@ class RealizeOp:
     (``semkv.realize.recompute``; blend's fraction is of ``prompt_tokens``) through the
     engine's model, then writes ``block_ids`` (the span's blocks). ``token_ids`` are the ids
     at ``token_positions``: every position the strategy may compute. Always asynchronous: the
-    request waits for its KV while others run.
+    request waits for its KV while others run. With ``fetches`` the copies' slots are filled
+    from the shared KV store first; the realization starts once every fetch has landed.
     """
 
     request_id: str
@@ -78,6 +97,7 @@ class RealizeOp:
     recompute: RecomputeStrategy = field(default_factory=RecomputeStrategy)
     prompt_tokens: int = 0  # the tokens being prefilled
     kv_floor: str | None = None  # request option: round the realized KV (semkv_vllm.options)
+    fetches: list[FetchOp] = field(default_factory=list)
 
     def token_map(self) -> dict[int, int]:
         return dict(zip(self.token_positions, self.token_ids, strict=True))

@@ -34,6 +34,8 @@ class RequestState:
     registered: bool = False
     lookup_started: bool = False
     span: SpanHold | None = None  # a realized span's plan, leases and pinned slots
+    fetching: SemanticKVMatch | None = None  # its span's answer, while its donors are looked up
+    fetch_key: tuple[int, int] | None = None  # (local prefix, preemptions) of that lookup
     options: RequestOptions | None = None  # its semkv_options (request_options: true)
     bad_options: bool = False  # it sent options that do not parse: normal prefill
     recompute: RecomputeStrategy | None = None  # its span's strategy (read_options)

@@ -24,7 +24,12 @@ for a materializing engine (it has none of their KV).
 NOTE: with a shared store (``donor_store: lmcache``, see ``lmcache_store.py``) the store itself
 is asked first: the prefix of the request it holds becomes one more exact-tier candidate (the
 request's own tokens, so every process that computed them agrees), admitted like any donor.
-Nothing is saved or loaded here then; the shared store's connector moves the KV.
+Nothing is saved or loaded here then; the shared store's connector moves the KV. With realized
+spans on as well, donors (this engine's and, through a shared discovery store, other engines')
+are planned from their token ids and their KV fetched from the shared store into private host
+slots before the span is answered (``lmcache_fetch.py``): the decision waits (None) for the
+store to confirm every donor's prefix, then holds it locked until the worker reports the load.
+A request-only request's KV never goes into the shared store (``keeps_out_of_shared_store``).
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ from semkv.types import (
 )
 from semkv_vllm.donor_registry import Donor, DonorRegistry
 from semkv_vllm.foreign_donors import ForeignDonors
+from semkv_vllm.lmcache_fetch import FetchLookups, SpanFetches
+from semkv_vllm.load_ops import load_op, realize_op
 from semkv_vllm.metadata import LoadOp, RealizeOp, SemkvMetadata, SemkvWorkerMetadata
 from semkv_vllm.options import cap_match, read_options
 from semkv_vllm.provenance import account, count_decision
@@ -69,7 +76,8 @@ class SchedulerSide:
                  num_slots: int, bytes_per_slot: int, engine_supported: bool,
                  provider: GuardedProvider | None, can_shift: bool = False,
                  request_only_enforced: Callable[[], bool] = lambda: False,
-                 shared_lookup: Callable[[Any, int], int | None] | None = None) -> None:
+                 shared_lookup: Callable[[Any, int], int | None] | None = None,
+                 fetch_lookups: FetchLookups | None = None) -> None:
         self.config = config
         self.bs = block_size
         self.namespace = namespace
@@ -92,17 +100,25 @@ class SchedulerSide:
         self.pending_loads: list[LoadOp] = []
         self.pending_realizes: list[RealizeOp] = []
         self.stats = CounterBag()
+        # Realized spans over a shared KV store: donors' KV is fetched from it per plan.
+        self.fetch_lookups = fetch_lookups if shared_lookup is not None else None
         self.foreign = ForeignDonors(self.leases, block_size, self.stats,
-                                     materialize=self.materialize)
+                                     materialize=self.materialize,
+                                     fetchable=self.fetch_lookups is not None)
         self.registry = DonorRegistry(
             config, block_size=block_size, index=self.index, leases=self.leases,
             provider=provider, stats=self.stats,
             materialize=self.materialize, saves_blocks=self.materialize and shared_lookup is None)
         # Non-prefix reuse: realized spans serve the verified tier (identical tokens elsewhere).
+        fetch_chunk = (None if self.fetch_lookups is None
+                       else self.fetch_lookups.chunk_tokens)
         self.spans = (SpanAdmission(config, block_size, self.index, self.leases,
-                                    self._donor_keys)
-                      if (self.materialize and config.realize_spans and shared_lookup is None
+                                    self._donor_keys, fetch_chunk=fetch_chunk)
+                      if (self.materialize and config.realize_spans
+                          and (shared_lookup is None or fetch_chunk is not None)
                           and QualityTier.VERIFIED in config.semantic_tiers) else None)
+        self.fetches = (SpanFetches(self.fetch_lookups, self.spans, self.stats)
+                        if self.spans is not None and self.fetch_lookups is not None else None)
         self.recompute = strategy_of(config)  # the engine's; a request's options lay over it
         if provider is not None:
             provider.known = lambda d: d in self.registry.donors or self.foreign.is_shared(d)
@@ -171,16 +187,19 @@ class SchedulerSide:
         key = (local, request.num_preemptions)
         if st.decided_for == key and st.decision is not None:
             return st.answer
-        if st.decided_for is not None:
+        if st.decided_for is not None or (st.fetching is not None and st.fetch_key != key):
             # The local prefix changed (or the request was preempted): the old decision and its
             # lease are void; decide afresh.
             st.lookup_started = False
             self._release(st)
         started = time.perf_counter()
-        decision = self._decide(st, local)
+        decision = (self.fetches.poll(st) if self.fetches is not None and st.fetching
+                    else self._decide(st, local))
         if decision is None:
+            if st.fetching is not None:
+                st.fetch_key = key
             self.stats.inc("lookup_deferred")
-            return None, False  # async lookup still running within its budget
+            return None, False  # async lookup (or a donor fetch's lookup) still running
         st.decision, st.decided_for = decision, key
         count_decision(self.stats, decision, len(request.all_token_ids))
         self.stats.observe("lookup_seconds", time.perf_counter() - started)
@@ -241,6 +260,8 @@ class SchedulerSide:
             match = capped
         if self.spans is not None and not (match.is_hit and self.foreign.is_shared(match.donor_id)):
             realized = self._realize(st, local, candidates, match)
+            if realized is not None and self.fetches is not None:
+                return self.fetches.start(st, realized)  # its donors' KV is fetched first
             if realized is not None:
                 return realized
         if match.is_hit and match.quality_tier is not QualityTier.EXACT:
@@ -266,7 +287,7 @@ class SchedulerSide:
         exact = match if match.is_hit and match.quality_tier is QualityTier.EXACT else None
         refusal = self._refuse_non_exact(st.assessment, realize=True)
         planned = (refusal if refusal is not None else self.spans.plan(
-            rid, st.request.all_token_ids, local, candidates, self._donor_view,
+            rid, st.request.all_token_ids, local, candidates, self._span_view,
             st.namespace.digest, exact, st.recompute,
             st.options.reuse_until if st.options is not None else None))
         if not isinstance(planned, FallbackReason):
@@ -280,6 +301,30 @@ class SchedulerSide:
             self.leases.release(match.donor_lease_id or "")
             return SemanticKVMatch.fallback(rid, planned, local_prefix_tokens=local)
         return None
+
+    def loads_from_shared(self, request_id: str) -> bool:
+        """Is this request's admitted span the shared store's own prefix (its connector loads)?"""
+        st = self.requests.get(request_id)
+        d = None if st is None else st.decision
+        return d is not None and d.is_hit and self.foreign.is_shared(d.donor_id)
+
+    def keeps_out_of_shared_store(self, request_id: str) -> bool:
+        """Must the shared KV store not store this request (request-only KV, or opted out)?"""
+        st = self.requests.get(request_id)
+        if st is None:
+            return False
+        opted_out = st.options is not None and not st.options.save
+        d = st.decision
+        return opted_out or (d is not None and d.is_hit
+                             and d.cache_policy is CachePolicy.REQUEST_ONLY)
+
+    def _end_fetches(self, st: RequestState) -> None:
+        if self.fetches is not None:
+            self.fetches.end(st)
+
+    def _span_view(self, donor_id: str) -> DonorView | None:
+        """Span planning also sees other engines' donors whose KV it can fetch."""
+        return self._donor_view(donor_id) or self.foreign.fetchable.get(donor_id)
 
     def _donor_keys(self, donor_id: str) -> list[bytes] | None:
         donor = self.registry.donors.get(donor_id)
@@ -336,8 +381,10 @@ class SchedulerSide:
     def _release(self, st: RequestState) -> None:
         if st.span is not None:  # a realization holds every lease and pin in its SpanHold
             assert self.spans is not None
+            self._end_fetches(st)
             self.spans.release(st.span)
             st.span = None
+            st.fetching = None
         elif st.decision is not None and st.decision.donor_lease_id:
             self.leases.release(st.decision.donor_lease_id)
         if st.pinned:
@@ -376,27 +423,14 @@ class SchedulerSide:
             return
         block_ids = blocks.get_block_ids()[0]
         if st.span is not None:
-            rop = st.span.op(request.request_id, request.all_token_ids, block_ids)
-            rop.kv_floor = st.options.kv_floor if st.options is not None else None
-            self.pending_realizes.append(rop)
-            st.may_save = False  # request-only KV never becomes a donor either
+            self.pending_realizes.append(realize_op(st, block_ids))
+            request_only = True
+        else:
+            load = load_op(st, block_ids, self.bs, asynchronous=self.async_load)
+            self.pending_loads.append(load)
+            request_only = load.segments is not None
+        if request_only:
             self.stats.inc("request_only_blocks", amount=d.external_prefix_tokens // self.bs)
-            self.stats.inc("materialize_requests", d.quality_tier)
-            st.planned = True
-            return
-        first = d.local_prefix_tokens // self.bs
-        targets = list(block_ids[first : first + d.external_prefix_tokens // self.bs])
-        op = LoadOp(request.request_id, list(st.pinned), list(st.generations), targets,
-                    asynchronous=self.async_load,
-                    kv_floor=st.options.kv_floor if st.options is not None else None)
-        span = st.assessment.span if st.assessment is not None else None
-        if d.quality_tier is not QualityTier.EXACT and span is not None:
-            op.segments = list(span.segments)
-            op.donor_first_block = span.donor_range()[0] // self.bs
-            op.target_start = span.target_start
-            st.may_save = False  # request-only KV never becomes a donor either
-            self.stats.inc("request_only_blocks", amount=len(targets))
-        self.pending_loads.append(op)
         self.stats.inc("materialize_requests", d.quality_tier)
         st.planned = True
 
@@ -440,10 +474,12 @@ class SchedulerSide:
                     self.stats.inc("span_tokens", "computed", plan.computed_tokens)
                     st.recomputed_tokens = worker_meta.recomputed.get(rid, 0)
                     self.stats.inc("span_tokens", "recomputed", st.recomputed_tokens)
+                    self._end_fetches(st)
         for rid in worker_meta.failed:
             st = self.requests.get(rid)
             if st is not None:
                 st.load_failed = True
+                self._end_fetches(st)
 
     def request_finished(self, request: Any) -> dict[str, Any] | None:
         st = self.requests.pop(request.request_id, None)

@@ -10,6 +10,11 @@ Protocol (``SchedulerSide._decide`` calls ``plan`` after admission judged the ca
    admission found (exact KV needs no re-rotation and may be committed: it wins ties).
 3. One lease per donor, then every donor block a copy reads is pinned in the store, before any
    token is reported. Anything missing ends in ``donor_stale`` with everything released.
+   With a shared KV store (``fetch_chunk`` set: ``donor_store: lmcache``) donors' KV is not in
+   the host store: each donor's prefix up to the last block a copy reads gets free slots of
+   its own, private to the request and pinned, and a ``FetchOp`` that fills them from the
+   shared store (``lmcache_fetch.py``); the scheduler confirms the store holds that prefix
+   before it answers.
 
 The answer is a ``SemanticKVMatch`` of tier ``verified`` (identical tokens, other context),
 ``REQUEST_ONLY``, asynchronous: the worker computes the gaps off the engine step.
@@ -23,6 +28,7 @@ the span tokens a ``RealizeOp`` may compute (gaps, and copied tokens the strateg
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,7 +45,7 @@ from semkv.types import (
     QualityTier,
     SemanticKVMatch,
 )
-from semkv_vllm.metadata import CopySource, RealizeOp
+from semkv_vllm.metadata import CopySource, FetchOp, RealizeOp
 from semkv_vllm.store_index import StoreIndex
 
 
@@ -51,6 +57,8 @@ class SpanHold:
     lease_ids: list[str] = field(default_factory=list)
     copies: list[CopySource] = field(default_factory=list)
     recompute: RecomputeStrategy = field(default_factory=RecomputeStrategy)
+    fetches: list[FetchOp] = field(default_factory=list)  # shared store -> private slots
+    fetch_keys: list[bytes] = field(default_factory=list)  # the private slots' index keys
 
     @property
     def slots(self) -> list[int]:
@@ -66,7 +74,7 @@ class SpanHold:
         return RealizeOp(request_id, local, span, list(block_ids[: local // bs]),
                          list(block_ids[local // bs: span // bs]), list(self.copies), gaps,
                          needed, [int(token_ids[p]) for p in needed], self.recompute,
-                         len(token_ids))
+                         len(token_ids), fetches=list(self.fetches))
 
 
 def strategy_of(config: SemkvConfig) -> RecomputeStrategy:
@@ -79,12 +87,15 @@ def strategy_of(config: SemkvConfig) -> RecomputeStrategy:
 
 class SpanAdmission:
     def __init__(self, config: SemkvConfig, block_size: int, index: StoreIndex,
-                 leases: LeaseTable, keys_of: Callable[[str], list[bytes] | None]) -> None:
+                 leases: LeaseTable, keys_of: Callable[[str], list[bytes] | None], *,
+                 fetch_chunk: int | None = None) -> None:
         self.config = config
         self.bs = block_size
         self.index = index
         self.leases = leases
         self.keys_of = keys_of  # donor id -> its blocks' content keys in the store
+        # Set: donors' KV lives in a shared store that holds whole chunks of this many tokens.
+        self.fetch_chunk = fetch_chunk
 
     def plan(self, request_id: str, target: Sequence[int], local: int,
              candidates: Sequence[Candidate], view: Callable[[str], DonorView | None],
@@ -96,8 +107,11 @@ class SpanAdmission:
             v = view(c.donor_id)
             if v is None or c.namespace != namespace or v.namespace != namespace:
                 continue
-            if v.stored_tokens > 0:
-                donors[c.donor_id] = v.token_ids[: v.stored_tokens]
+            stored = v.stored_tokens
+            if self.fetch_chunk is not None:  # the shared store holds whole chunks only
+                stored = len(v.token_ids) - len(v.token_ids) % self.fetch_chunk
+            if stored > 0:
+                donors[c.donor_id] = v.token_ids[:stored]
         if not donors:
             return FallbackReason.PROVIDER_MISS
         plan = plan_span(target, donors, local_tokens=local, block_size=self.bs,
@@ -108,7 +122,9 @@ class SpanAdmission:
         if exact is not None and exact.external_prefix_tokens >= plan.copied_tokens:
             return FallbackReason.EXACT_PREFIX_SUFFICIENT  # the exact match serves as much
         hold = SpanHold(plan, recompute=recompute or strategy_of(self.config))
-        if not self._hold(hold):
+        held = (self._hold(hold) if self.fetch_chunk is None
+                else self._hold_for_fetch(hold, request_id, donors))
+        if not held:
             self.release(hold)
             return FallbackReason.DONOR_STALE
         copied = sum(1 for s in plan.segments if not s.is_gap)
@@ -141,9 +157,53 @@ class SpanAdmission:
                                           slots, [f[1] for f in found if f]))
         return True
 
+    def _hold_for_fetch(self, hold: SpanHold, request_id: str,
+                        donors: dict[str, Sequence[int]]) -> bool:
+        """Leases, then private pinned slots and a ``FetchOp`` per donor (shared store)."""
+        for donor_id in hold.plan.donors:
+            try:
+                hold.lease_ids.append(self.leases.acquire(donor_id).lease_id)
+            except UnknownDonorError:
+                return False
+        for k, donor_id in enumerate(hold.plan.donors):
+            segments = [s for s in hold.plan.segments if s.donor_id == donor_id]
+            blocks = max((s.donor_start + s.length - 1) // self.bs for s in segments) + 1
+            slots, generations = [], []
+            for block in range(blocks):
+                key = hashlib.blake2b(f"fetch|{request_id}|{k}|{block}".encode(),
+                                      digest_size=16).digest()
+                reserved = self.index.reserve(key)
+                if reserved is None:  # every slot is pinned: the store is too small now
+                    return False
+                self.index.pin([reserved[0]])
+                hold.fetch_keys.append(key)
+                slots.append(reserved[0])
+                generations.append(reserved[1])
+            tokens = [int(t) for t in donors[donor_id][: blocks * self.bs]]
+            hold.fetches.append(FetchOp(f"semkv-fetch-{k}-{request_id}", tokens,
+                                        blocks * self.bs, slots, generations))
+            for seg in segments:
+                first = seg.donor_start // self.bs
+                last = (seg.donor_start + seg.length - 1) // self.bs
+                hold.copies.append(CopySource(seg.target_start, seg.length, seg.donor_start,
+                                              first, slots[first: last + 1],
+                                              generations[first: last + 1]))
+        return True
+
+    def release_fetched(self, hold: SpanHold) -> None:
+        """Free a hold's private slots once its realization read them (leases stay held)."""
+        for key in hold.fetch_keys:
+            found = self.index.get(key)
+            if found is not None:
+                self.index.unpin([found[0]])
+                self.index.drop(key)
+        hold.fetch_keys, hold.fetches, hold.copies = [], [], []
+
     def release(self, hold: SpanHold) -> None:
         for lease_id in hold.lease_ids:
             self.leases.release(lease_id)
-        if hold.copies:
+        if hold.fetch_keys:  # private slots: pinned once each, then freed
+            self.release_fetched(hold)
+        elif hold.copies:
             self.index.unpin(hold.slots)
-        hold.lease_ids, hold.copies = [], []
+        hold.lease_ids, hold.copies, hold.fetches, hold.fetch_keys = [], [], [], []

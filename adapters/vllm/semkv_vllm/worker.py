@@ -17,7 +17,9 @@ prefill never stores a partial block.
 NOTE: realized spans (``RealizeOp``, non-prefix reuse) are advanced between steps on the main
 thread (``realization.py``): submitted in ``start_load_kv``, computed a bounded amount per
 step in ``take_finished_recving`` (all of it in a step that scheduled no token), then written
-into the request's blocks and reported received, or reported invalid.
+into the request's blocks and reported received, or reported invalid. A ``RealizeOp`` with
+``fetches`` (donors in a shared KV store) first retrieves them into its private slots
+(``lmcache_fetch.HostFetcher``); it is submitted once all of them have landed.
 NOTE: with ``async_save`` the copy runs on one background thread, off the step's critical path
 (the first token is sampled and sent while it runs). It reads blocks that are complete and
 still owned by their request, which nothing rewrites until vLLM frees and reallocates them; a
@@ -79,6 +81,8 @@ class WorkerSide:
         self.report_layout = False  # set when token-level loads are configured
         self.realizer: SpanRealizer | None = None
         self.report_realize = False  # set when span realization is configured
+        self.fetcher: Any = None  # lmcache_fetch.HostFetcher (donor_store: lmcache)
+        self._awaiting: dict[str, tuple[RealizeOp, set[str]]] = {}  # rid -> op, fetches left
 
     # -- setup -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -191,6 +195,46 @@ class WorkerSide:
         return not all(self._current(c.slots, c.generations) for c in op.copies)
 
     def _start_realize(self, op: RealizeOp) -> None:
+        if not op.fetches:
+            self._submit_realize(op)
+            return
+        if self.fetcher is None:
+            self._fail_realize(op, "fetch_unavailable")
+            return
+        try:
+            for fetch in op.fetches:
+                self.fetcher.submit(fetch)
+        except Exception as exc:  # noqa: BLE001 - a failed fetch becomes a recompute
+            self._fail_realize(op, type(exc).__name__)
+            return
+        self._awaiting[op.request_id] = (op, {f.fetch_id for f in op.fetches})
+
+    def _advance_fetches(self) -> None:
+        """Mark landed fetches' slots current; submit the realizations they complete."""
+        if not self._awaiting:
+            return
+        idle = self._meta is not None and self._meta.idle
+        try:
+            done, errors = self.fetcher.poll(wait=idle)
+        except Exception as exc:  # noqa: BLE001 - the shared store failed: recompute them all
+            for op, _ in self._awaiting.values():
+                self._fail_realize(op, type(exc).__name__)
+            self._awaiting.clear()
+            return
+        for fetch in done:
+            ok = not errors.intersection(fetch.slots)
+            for slot, generation in zip(fetch.slots, fetch.generations, strict=True):
+                self.slot_generation[slot] = generation if ok else -1
+            self.stats.inc("fetched_blocks", "landed" if ok else "failed",
+                           amount=len(fetch.slots))
+        landed = {f.fetch_id for f in done}
+        for rid, (op, left) in list(self._awaiting.items()):
+            left -= landed
+            if not left:
+                del self._awaiting[rid]
+                self._submit_realize(op)  # a failed fetch leaves its copies stale
+
+    def _submit_realize(self, op: RealizeOp) -> None:
         stale = self._stale(op)
         if self.realizer is None or stale:
             self._fail_realize(op, "stale_slot" if stale else "realization_unavailable")
@@ -321,6 +365,8 @@ class WorkerSide:
     def shutdown(self) -> None:
         if self.realizer is not None:
             self.realizer.shutdown()
+        if self.fetcher is not None:
+            self.fetcher.shutdown()
         self.drain_saves()
         if self._saver is not None:
             self._saver.shutdown(wait=True)
@@ -328,6 +374,7 @@ class WorkerSide:
 
     # -- reporting -------------------------------------------------------------------------
     def take_finished_recving(self, finished_req_ids: set[str] | None = None) -> set[str]:
+        self._advance_fetches()
         self._finish_realizations(finished_req_ids or set())
         done, self._finished_recving = self._finished_recving, set()
         return done

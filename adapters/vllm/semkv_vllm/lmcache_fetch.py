@@ -1,0 +1,179 @@
+"""Donor KV fetched from the ``lmcache server`` into semkv's host slots, for realized spans.
+
+With ``donor_store: lmcache`` a donor's KV lives in the shared server under its own token
+chunks (whichever replica computed it), but LMCache writes only into KV caches registered with
+the server, by block id. The host store mirrors vLLM's page shape exactly (``block_copy.py``),
+so LMCache can take it as one more KV cache of this worker: a second embedded LMCache connector
+in the worker role registers it (its own instance id, the same namespaced model name as the
+engine's LMCache connector, so every key agrees). A fetched donor then sits in host slots like
+a local one, and the realization copies from there.
+
+Protocol, per realized span whose donors are in the shared store (``SpanHold.fetches``):
+- scheduler, at decision time: ``FetchLookups.start`` asks the server how much of each donor's
+  token prefix it holds (this also locks those chunks until ``end``); ``ready`` answers None
+  while a lookup runs, then whether every donor's prefix is there (else ``donor_stale``).
+- worker, when the ``RealizeOp`` arrives: ``HostFetcher.submit`` retrieves each ``FetchOp``
+  into its slots; ``poll`` returns the fetches finished since the last call and the slots whose
+  retrieve failed. The realization starts once all of its fetches have landed.
+- scheduler, when the request's hold is released (loaded, failed, finished or preempted):
+  ``FetchLookups.end`` closes the lookups' sessions (their locks).
+
+NOTE: the slots are private to one request, free when reserved and pinned until its hold is
+released; a new fetch into a slot that an abandoned fetch may still be writing waits for that
+fetch first (``HostFetcher.submit``).
+NOTE: a fetch into slot ``s`` writes it only on success: the worker then sets the slot's
+generation, so a failed or unfinished fetch leaves its copies stale (normal prefill, counted).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from semkv.config import SemkvConfig
+from semkv.metrics import CounterBag
+from semkv.types import FallbackReason, SemanticKVMatch
+from semkv_vllm.metadata import FetchOp
+from semkv_vllm.request_state import RequestState
+from semkv_vllm.span_admission import SpanAdmission
+
+WAIT_SLICE_S = 0.002
+
+
+class FetchLookups:
+    """Scheduler side, over the engine's embedded LMCache scheduler adapter."""
+
+    def __init__(self, adapter: Any) -> None:
+        self.adapter = adapter  # LMCacheMPSchedulerAdapter
+
+    @property
+    def chunk_tokens(self) -> int:
+        """The server's chunk: it stores, finds and returns whole chunks only."""
+        return int(self.adapter.lmcache_tokens_per_chunk)
+
+    def start(self, fetches: Sequence[FetchOp]) -> None:
+        for f in fetches:
+            self.adapter.maybe_submit_lookup_request(f.fetch_id, list(f.token_ids),
+                                                     cache_salt=f.cache_salt)
+
+    def ready(self, fetches: Sequence[FetchOp]) -> bool | None:
+        """None while a lookup runs; else whether the server holds every fetch's tokens."""
+        found = [self.adapter.check_lookup_result(f.fetch_id) for f in fetches]
+        if any(n is None for n in found):
+            return None
+        return all(int(n) >= f.end for n, f in zip(found, fetches, strict=True))
+
+    def end(self, fetches: Sequence[FetchOp]) -> None:
+        for f in fetches:
+            self.adapter.end_session(f.fetch_id)
+            self.adapter.cleanup_lookup_result(f.fetch_id)
+
+
+class SpanFetches:
+    """Scheduler side: a realized span is answered once the store confirms its donors."""
+
+    def __init__(self, lookups: FetchLookups, spans: SpanAdmission, stats: CounterBag) -> None:
+        self.lookups = lookups
+        self.spans = spans
+        self.stats = stats
+
+    def start(self, st: RequestState, realized: SemanticKVMatch) -> SemanticKVMatch | None:
+        """Look the span's donor prefixes up; the answer as ``poll``."""
+        assert st.span is not None
+        for fetch in st.span.fetches:
+            fetch.cache_salt = st.request.cache_salt or ""
+        self.lookups.start(st.span.fetches)
+        st.fetching = realized
+        return self.poll(st)
+
+    def poll(self, st: RequestState) -> SemanticKVMatch | None:
+        """None while the lookups run; then the span, or ``donor_stale`` with all released."""
+        assert st.span is not None and st.fetching is not None
+        ready = self.lookups.ready(st.span.fetches)
+        if ready is None:
+            return None
+        match, st.fetching = st.fetching, None
+        if ready:
+            return match
+        self.stats.inc("fetch_missing")
+        self.end(st)
+        self.spans.release(st.span)
+        st.span = None
+        return SemanticKVMatch.fallback(st.request.request_id, FallbackReason.DONOR_STALE,
+                                        local_prefix_tokens=match.local_prefix_tokens)
+
+    def end(self, st: RequestState) -> None:
+        """The span's donors are copied (or will not be): unlock them, free their slots."""
+        if st.span is None or not st.span.fetches:
+            return
+        self.lookups.end(st.span.fetches)
+        self.spans.release_fetched(st.span)
+
+
+class HostFetcher:
+    """Worker side: a second LMCache worker connector whose KV cache is the host store."""
+
+    def __init__(self, vllm_config: Any, config: SemkvConfig, kv_cache_config: Any,
+                 namespace_digest: str) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from semkv_vllm.lmcache_store import inner_vllm_config, lmcache_connector_class
+
+        self.connector = lmcache_connector_class()(
+            inner_vllm_config(vllm_config, config, namespace_digest), KVConnectorRole.WORKER,
+            kv_cache_config)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.wait_s = config.lookup_timeout_ms / 1000.0
+        self._in_flight: dict[str, FetchOp] = {}
+
+    @property
+    def adapter(self) -> Any:
+        return self.connector.worker_adapter
+
+    def register(self, store: dict[str, Any]) -> None:
+        self.connector.register_kv_caches(store)
+
+    def submit(self, op: FetchOp) -> None:
+        """Retrieve the donor's tokens ``[0, op.end)`` into ``op.slots``."""
+        from lmcache.integration.vllm.vllm_multi_process_adapter import LoadStoreOp
+
+        if op.end % self.block_size or len(op.slots) != op.end // self.block_size:
+            raise ValueError(f"{len(op.slots)} slots for {op.end} tokens of "
+                             f"{self.block_size}-token blocks")
+        self._drain_overlapping(set(op.slots))
+        load = LoadStoreOp(token_ids=list(op.token_ids), block_ids=[list(op.slots)], start=0,
+                           end=op.end)
+        self._in_flight[op.fetch_id] = op
+        self.adapter.submit_retrieve_request(op.fetch_id, load, None, cache_salt=op.cache_salt)
+
+    def poll(self, *, wait: bool = False) -> tuple[list[FetchOp], set[int]]:
+        """(fetches finished since the last call, slots whose retrieve failed).
+
+        With ``wait`` (nothing else to do this step) wait up to ``lookup_timeout_ms`` for at
+        least one in-flight fetch to finish.
+        """
+        deadline = time.monotonic() + (self.wait_s if wait else 0.0)
+        done: list[FetchOp] = []
+        errors: set[int] = set()
+        while True:
+            _, finished = self.adapter.get_finished(set())
+            errors |= set(self.adapter.get_block_ids_with_load_errors())
+            done += [self._in_flight.pop(f) for f in finished or () if f in self._in_flight]
+            if done or not self._in_flight or time.monotonic() >= deadline:
+                return done, errors
+            time.sleep(WAIT_SLICE_S)
+
+    def _drain_overlapping(self, slots: set[int]) -> None:
+        """Wait for in-flight fetches into any of ``slots`` (abandoned by an aborted request)."""
+        deadline = time.monotonic() + max(self.wait_s, 1.0)
+        while any(slots.intersection(f.slots) for f in self._in_flight.values()):
+            if time.monotonic() >= deadline:
+                raise TimeoutError("an earlier fetch into these slots has not finished")
+            time.sleep(WAIT_SLICE_S)
+            _, finished = self.adapter.get_finished(set())
+            for fetch_id in finished or ():
+                self._in_flight.pop(fetch_id, None)
+
+    def shutdown(self) -> None:
+        self.connector.shutdown()

@@ -1,0 +1,79 @@
+"""One vLLM process of the cross-replica realization test
+(``python -m tests.lmcache_realize_child ROLE IN OUT [LMCACHE_URL REDIS_URL]``).
+
+IN is JSON: ``{"donors": [[ids]...], "target": [ids]}``; OUT gets greedy token ids, semkv
+summaries and counters (no text, nothing printed). Every role runs the verified tier with
+realized spans (commit-policy scheduler, default recompute strategy).
+
+Roles:
+- ``donor``: ``donor_store: lmcache`` + a shared discovery store: serves the donors (LMCache
+  stores their chunks, Redis their registrations) and nothing else.
+- ``realize``: the same stores, another process: serves the target, whose span is planned from
+  the first process's donors and realized from their KV fetched out of LMCache; then the target
+  again (a request-only span's KV must not have entered LMCache) and cold (lookup off).
+- ``host``: the single-instance reference, ``donor_store: host``: serves the donors, then the
+  target, realized from its own host store.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+STORE_BYTES = 128 * 2**20  # host slots: the fetched donors (or the host store's donors)
+
+
+def realize_config(role: str, url: str | None, redis_url: str | None) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "provider": "chunks", "semantic_mode": "materialize_semantic",
+        "semantic_tiers": ["verified"], "realize_spans": True, "min_reuse_tokens": 64,
+        "verified_min_reuse_tokens": 64, "donor_store_bytes": STORE_BYTES,
+        "request_options": True}
+    if role != "host":
+        config.update({"donor_store": "lmcache", "lmcache_server_url": url,
+                       "lookup_timeout_ms": 2000,
+                       "provider_config": {"discovery_store": redis_url, "instance_id": role}})
+    return config
+
+
+def _generate(llm: Any, ids: list[int], max_tokens: int = 16, **options: Any) -> dict[str, Any]:
+    """One greedy request; ``options`` are its semkv request options."""
+    from vllm import SamplingParams
+
+    from semkv.request_options import request_params
+
+    extra = {"kv_transfer_params": request_params(**options)} if options else None
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                        extra_args=extra)
+    out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+    return {"tokens": list(out.outputs[0].token_ids),
+            "semkv": (out.kv_transfer_params or {}).get("semkv")}
+
+
+def main(role: str, in_file: str, out_file: str, url: str | None = None,
+         redis_url: str | None = None) -> None:
+    from tests.engine_utils import engine, semkv_metrics
+
+    data = json.loads(Path(in_file).read_text())
+    result: dict[str, Any] = {"role": role}
+    with engine(realize_config(role, url, redis_url),
+                scheduler_cls="semkv_vllm.commit_policy.CommitPolicyScheduler") as llm:
+        if role in ("donor", "host"):
+            for ids in data["donors"]:
+                _generate(llm, ids, max_tokens=1)
+            time.sleep(1.0)  # LMCache stores after the forward; let the stores land
+        if role in ("realize", "host"):
+            result["target"] = _generate(llm, data["target"])
+        if role == "realize":
+            llm.reset_prefix_cache()  # vLLM forgets; what LMCache holds stays
+            result["again"] = _generate(llm, data["target"])
+            result["cold"] = _generate(llm, data["target"], lookup=False, save=False)
+        result["metrics"] = semkv_metrics(llm)
+    Path(out_file).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:6])

