@@ -38,4 +38,5 @@ class RequestState:
     fetch_key: tuple[int, int] | None = None  # (local prefix, preemptions) of that lookup
     options: RequestOptions | None = None  # its semkv_options (request_options: true)
     bad_options: bool = False  # it sent options that do not parse: normal prefill
-    recompute: RecomputeStrategy | None = None  # its span's strategy (read_options)
+    # its span's strategy (read_options: the engine's, or its options' over it)
+    recompute: RecomputeStrategy = field(default_factory=RecomputeStrategy)

@@ -100,7 +100,7 @@ class SpanAdmission:
     def plan(self, request_id: str, target: Sequence[int], local: int,
              candidates: Sequence[Candidate], view: Callable[[str], DonorView | None],
              namespace: str, exact: SemanticKVMatch | None,
-             recompute: RecomputeStrategy | None = None, until: int | None = None,
+             recompute: RecomputeStrategy, until: int | None = None,
              ) -> tuple[SemanticKVMatch, SpanHold] | FallbackReason:
         donors = {}
         for c in candidates:
@@ -121,7 +121,7 @@ class SpanAdmission:
             return FallbackReason.LOW_REUSE_TOKENS
         if exact is not None and exact.external_prefix_tokens >= plan.copied_tokens:
             return FallbackReason.EXACT_PREFIX_SUFFICIENT  # the exact match serves as much
-        hold = SpanHold(plan, recompute=recompute or strategy_of(self.config))
+        hold = SpanHold(plan, recompute=recompute)
         held = (self._hold(hold) if self.fetch_chunk is None
                 else self._hold_for_fetch(hold, request_id, donors))
         if not held:
