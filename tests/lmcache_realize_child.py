@@ -10,7 +10,8 @@ Roles:
   stores their chunks, Redis their registrations) and nothing else.
 - ``realize``: the same stores, another process: serves the target, whose span is planned from
   the first process's donors and realized from their KV fetched out of LMCache; then the target
-  again (a request-only span's KV must not have entered LMCache) and cold (lookup off).
+  again, and cold (lookup and saving off); after each, how much of the target's prefix the
+  LMCache server holds (neither a request-only span's KV nor an opted-out request's may enter).
 - ``host``: the single-instance reference, ``donor_store: host``: serves the donors, then the
   target, realized from its own host store.
 """
@@ -53,6 +54,24 @@ def _generate(llm: Any, ids: list[int], max_tokens: int = 16, **options: Any) ->
             "semkv": (out.kv_transfer_params or {}).get("semkv")}
 
 
+def _stored_prefix(llm: Any, ids: list[int]) -> int:
+    """Tokens of ``ids``' prefix the LMCache server holds (the engine's own lookup keys)."""
+    time.sleep(1.0)  # stores land after the forward
+    core = llm.llm_engine.engine_core.engine_core  # in-process engine (see __main__)
+    adapter = core.scheduler.connector._shared.scheduler_adapter
+    probe = f"probe-{time.monotonic_ns()}"
+    adapter.maybe_submit_lookup_request(probe, list(ids))
+    found = None
+    for _ in range(400):
+        found = adapter.check_lookup_result(probe)
+        if found is not None:
+            break
+        time.sleep(0.05)
+    adapter.end_session(probe)
+    adapter.cleanup_lookup_result(probe)
+    return int(found or 0)
+
+
 def main(role: str, in_file: str, out_file: str, url: str | None = None,
          redis_url: str | None = None) -> None:
     from tests.engine_utils import engine, semkv_metrics
@@ -70,10 +89,15 @@ def main(role: str, in_file: str, out_file: str, url: str | None = None,
         if role == "realize":
             llm.reset_prefix_cache()  # vLLM forgets; what LMCache holds stays
             result["again"] = _generate(llm, data["target"])
+            result["stored_after_realized"] = _stored_prefix(llm, data["target"])
             result["cold"] = _generate(llm, data["target"], lookup=False, save=False)
+            result["stored_after_opted_out"] = _stored_prefix(llm, data["target"])
         result["metrics"] = semkv_metrics(llm)
     Path(out_file).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler is reachable from here
     main(*sys.argv[1:6])

@@ -297,6 +297,9 @@ def test_replica_realizes_a_span_from_another_replicas_donors_through_lmcache(
     doc2 = tokenizer(second)["input_ids"][:320]
     instruction = tokenizer(other)["input_ids"][:64]
     question = tokenizer("\n\nQuestion: what do the two passages claim?\nAnswer:")["input_ids"]
+    # One whole block: a target of whole blocks leaves its last block for vLLM to compute,
+    # which LMCache would store from position 0 on (the realized span's) unless told not to.
+    question = (tokenizer(other)["input_ids"][64:] + question)[-32:]
     data = tmp_path / "prompts.json"
     data.write_text(json.dumps({"donors": [doc1 + question, doc2 + question],
                                 "target": instruction + doc2 + doc1 + question}))
@@ -312,6 +315,7 @@ def test_replica_realizes_a_span_from_another_replicas_donors_through_lmcache(
         "fetched_blocks": {k: v for k, v in metrics.items() if "fetched_blocks" in k},
         "remote_donors": metrics.get("vllm:semkv_remote_donors"),
         "again": b["again"]["semkv"]["provenance"],
+        "stored_target_tokens": [b["stored_after_realized"], b["stored_after_opted_out"]],
         "equal_to_single_instance": b["target"]["tokens"] == host["target"]["tokens"],
         "equal_to_cold": b["target"]["tokens"] == b["cold"]["tokens"]}))
     # The second process found the first's donors through Redis ...
@@ -328,6 +332,8 @@ def test_replica_realizes_a_span_from_another_replicas_donors_through_lmcache(
     assert reference["provenance"] == "request_only_semantic_reuse", reference
     assert span == reference["span"]
     assert b["target"]["tokens"] == host["target"]["tokens"]
-    # Request-only KV never entered LMCache: the rerun is realized again, not an exact hit
+    # Request-only KV never entered LMCache (nor did the opted-out cold run's); the rerun is
+    # realized again
+    assert b["stored_after_realized"] == 0 and b["stored_after_opted_out"] == 0
     assert b["again"]["semkv"]["provenance"] == "request_only_semantic_reuse", b["again"]
     assert b["again"]["tokens"] == b["target"]["tokens"]

@@ -224,3 +224,20 @@ def test_workers_without_a_known_page_layout_get_no_token_level_loads():
     s = h.outputs["t"]["semkv"]
     assert (s["fallback_reason"], s["external_tokens"]) == ("unsupported_request", 0)
     h.assert_no_leaks()
+
+
+def test_a_fresh_engines_first_decision_waits_for_its_workers_first_report():
+    """With realized spans on, a decision made before the workers' first step could only
+    refuse (page layout and realization support unknown): it waits one step instead."""
+    from semkv_vllm.commit_policy import CommitPolicyScheduler
+
+    h = make_harness(dict(SEMANTIC, realize_spans=True, semantic_tiers=["verified"]),
+                     scheduler_cls=CommitPolicyScheduler)
+    assert not h.side.workers_reported
+    h.add("first", doc(51, 300))
+    out = h.step()
+    assert not out.num_scheduled_tokens  # deferred: no worker had reported yet
+    assert h.side.workers_reported  # that (idle) step's worker output carried the report
+    h.run()
+    assert h.outputs["first"]["semkv"]["provenance"] == "fallback_recompute"  # nothing to reuse
+    h.assert_no_leaks()

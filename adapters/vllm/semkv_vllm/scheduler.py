@@ -87,6 +87,7 @@ class SchedulerSide:
         self.can_shift = can_shift  # positions of this model's keys can be moved (RoPE)
         self.layout_known = False  # every worker reported a known page layout
         self.can_realize = False  # every worker can realize spans (model and layout known)
+        self.workers_reported = False  # the workers' first report (layout, realize) arrived
         self.request_only_enforced = request_only_enforced
         # Shared donor store: (request, local prefix) -> tokens it can load beyond the local
         # prefix, None while its lookup runs. Such stores load between steps.
@@ -223,6 +224,10 @@ class SchedulerSide:
             return SemanticKVMatch.fallback(rid, FallbackReason.PROVIDER_DISABLED)
         if not st.namespace.is_complete:
             return SemanticKVMatch.fallback(rid, FallbackReason.NAMESPACE_MISMATCH)
+        if self.spans is not None and not self.workers_reported:
+            # A fresh engine's first decisions come before its workers' first step: wait for
+            # it (every step, idle ones too, reports) rather than refuse a realization.
+            return None
         shared = None
         if self.shared_lookup is not None and self.materialize:
             shared = self.shared_lookup(st.request, local)
@@ -459,6 +464,8 @@ class SchedulerSide:
             self.layout_known = worker_meta.layout_known
         if worker_meta.can_realize is not None:
             self.can_realize = worker_meta.can_realize
+        if worker_meta.layout_known is not None or worker_meta.can_realize is not None:
+            self.workers_reported = True
         # NOTE: vLLM frees requests that stop in this step before it hands us the step's worker
         # output, so the counter counts confirmations whether or not the request is still here.
         for rid, blocks in worker_meta.loaded_blocks.items():
