@@ -65,7 +65,7 @@ def main(url: str, out_file: str) -> None:
             done += [f.fetch_id for f in finished]
             if done:
                 break
-        lookups.end([fetch])
+        lookups.end([fetch], retrieved=True)
         blocks = len(slots)
         result["finished"], result["error_slots"] = sorted(done), sorted(errors)
         probe = Request("semkv-fetch-probe", ids, SamplingParams(max_tokens=1), None,

@@ -1,9 +1,9 @@
 """One vLLM process of the cross-replica realization test
 (``python -m tests.lmcache_realize_child ROLE IN OUT [LMCACHE_URL REDIS_URL]``).
 
-IN is JSON: ``{"donors": [[ids]...], "target": [ids]}``; OUT gets greedy token ids, semkv
-summaries and counters (no text, nothing printed). Every role runs the verified tier with
-realized spans (commit-policy scheduler, default recompute strategy).
+IN is JSON: ``{"donors": [[ids]...], "target": [ids], "evicted": [ids]}``; OUT gets greedy
+token ids, semkv summaries and counters (no text, nothing printed). Every role runs the
+verified tier with realized spans (commit-policy scheduler, default recompute strategy).
 
 Roles:
 - ``donor``: ``donor_store: lmcache`` + a shared discovery store: serves the donors (LMCache
@@ -11,7 +11,9 @@ Roles:
 - ``realize``: the same stores, another process: serves the target, whose span is planned from
   the first process's donors and realized from their KV fetched out of LMCache; then the target
   again, and cold (lookup and saving off); after each, how much of the target's prefix the
-  LMCache server holds (neither a request-only span's KV nor an opted-out request's may enter).
+  LMCache server holds (neither a request-only span's KV nor an opted-out request's may enter);
+  then the server is cleared and another target of the same donors served (their KV gone:
+  donor_stale), and that target cold.
 - ``host``: the single-instance reference, ``donor_store: host``: serves the donors, then the
   target, realized from its own host store.
 """
@@ -92,6 +94,12 @@ def main(role: str, in_file: str, out_file: str, url: str | None = None,
             result["stored_after_realized"] = _stored_prefix(llm, data["target"])
             result["cold"] = _generate(llm, data["target"], lookup=False, save=False)
             result["stored_after_opted_out"] = _stored_prefix(llm, data["target"])
+            # The server drops what no request holds (the donors' chunks too); Redis still
+            # names the donors: a new target's fetch finds nothing, normal prefill. (A new
+            # target: vLLM's own reset waits for LMCache's delayed frees of the cold run.)
+            llm.reset_prefix_cache(reset_connector=True)
+            result["evicted"] = _generate(llm, data["evicted"])
+            result["evicted_cold"] = _generate(llm, data["evicted"], lookup=False, save=False)
         result["metrics"] = semkv_metrics(llm)
     Path(out_file).write_text(json.dumps(result))
 

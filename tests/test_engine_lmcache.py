@@ -277,6 +277,7 @@ def _realize_child(role: str, data: Path, out: Path, url: str | None = None,
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    out.with_suffix(".log").write_bytes(logs)  # kept beside the result, for a failing assert
     assert proc.returncode == 0, f"{role} process failed ({proc.returncode}):\n" + (
         logs.decode(errors="replace")[-4000:])
     return json.loads(out.read_text())
@@ -292,7 +293,7 @@ def test_replica_realizes_a_span_from_another_replicas_donors_through_lmcache(
     from semkv.bundled_model import ensure_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_model()))
-    first, second, other = essay_prompts(3, chars=1500, seed=43)
+    first, second, other, fourth = essay_prompts(4, chars=1500, seed=43)
     doc1 = tokenizer(first)["input_ids"][:320]  # ten whole blocks each
     doc2 = tokenizer(second)["input_ids"][:320]
     instruction = tokenizer(other)["input_ids"][:64]
@@ -302,7 +303,9 @@ def test_replica_realizes_a_span_from_another_replicas_donors_through_lmcache(
     question = (tokenizer(other)["input_ids"][64:] + question)[-32:]
     data = tmp_path / "prompts.json"
     data.write_text(json.dumps({"donors": [doc1 + question, doc2 + question],
-                                "target": instruction + doc2 + doc1 + question}))
+                                "target": instruction + doc2 + doc1 + question,
+                                "evicted": tokenizer(fourth)["input_ids"][:64] + doc1 + doc2
+                                + question}))
     _realize_child("donor", data, tmp_path / "a.json", lmcache_url, redis_server)
     b = _realize_child("realize", data, tmp_path / "b.json", lmcache_url, redis_server)
     host = _realize_child("host", data, tmp_path / "host.json")
@@ -316,6 +319,7 @@ def test_replica_realizes_a_span_from_another_replicas_donors_through_lmcache(
         "remote_donors": metrics.get("vllm:semkv_remote_donors"),
         "again": b["again"]["semkv"]["provenance"],
         "stored_target_tokens": [b["stored_after_realized"], b["stored_after_opted_out"]],
+        "evicted": b["evicted"]["semkv"]["fallback_reason"],
         "equal_to_single_instance": b["target"]["tokens"] == host["target"]["tokens"],
         "equal_to_cold": b["target"]["tokens"] == b["cold"]["tokens"]}))
     # The second process found the first's donors through Redis ...
@@ -337,3 +341,10 @@ def test_replica_realizes_a_span_from_another_replicas_donors_through_lmcache(
     assert b["stored_after_realized"] == 0 and b["stored_after_opted_out"] == 0
     assert b["again"]["semkv"]["provenance"] == "request_only_semantic_reuse", b["again"]
     assert b["again"]["tokens"] == b["target"]["tokens"]
+    # The donors' KV gone from LMCache (server cleared; Redis still names them): the typed
+    # donor_stale fallback, normal prefill, the cold answer
+    evicted = b["evicted"]["semkv"]
+    assert (evicted["fallback_reason"], evicted["confirmed_loaded_tokens"]) == (
+        "donor_stale", 0), evicted
+    assert metrics.get("vllm:semkv_fetch_missing", 0) >= 1
+    assert b["evicted"]["tokens"] == b["evicted_cold"]["tokens"]

@@ -96,6 +96,7 @@ class RecordingLookupAdapter:
     def __init__(self, found: dict[str, int | None]) -> None:
         self.found = found
         self.ended: list[str] = []
+        self.freed: list[tuple[str, int, int]] = []
 
     def maybe_submit_lookup_request(self, request_id: str, token_ids: list[int],
                                     cache_salt: str = "") -> None:
@@ -103,6 +104,10 @@ class RecordingLookupAdapter:
 
     def check_lookup_result(self, request_id: str) -> int | None:
         return self.found[request_id]
+
+    def free_lookup_locks(self, token_ids: list[int], start: int, end: int, request_id: str,
+                          cache_salt: str = "") -> None:
+        self.freed.append((request_id, start, end))
 
     def end_session(self, request_id: str) -> None:
         self.ended.append(request_id)
@@ -123,5 +128,8 @@ def test_lookups_are_ready_only_when_every_donor_prefix_is_held_in_full():
     assert lookups.ready(fetches) is False
     adapter.found["a"] = 320
     assert lookups.ready(fetches) is True
-    lookups.end(fetches)
-    assert adapter.ended == ["a", "b"]
+    lookups.end(fetches, retrieved=True)  # the retrieve released what it read
+    assert adapter.ended == ["a", "b"] and adapter.freed == []
+    adapter.found["a"] = 288
+    lookups.end(fetches, retrieved=False)  # no retrieve: release what each lookup locked
+    assert adapter.freed == [("a", 0, 288), ("b", 0, 160)]

@@ -16,7 +16,8 @@ Protocol, per realized span whose donors are in the shared store (``SpanHold.fet
   into its slots; ``poll`` returns the fetches finished since the last call and the slots whose
   retrieve failed. The realization starts once all of its fetches have landed.
 - scheduler, when the request's hold is released (loaded, failed, finished or preempted):
-  ``FetchLookups.end`` closes the lookups' sessions (their locks).
+  ``FetchLookups.end`` closes the lookups' sessions; a retrieve releases the read locks of the
+  chunks it reads, so where none was sent (donor_stale, aborted first) it releases them.
 
 NOTE: the slots are private to one request, free when reserved and pinned until its hold is
 released; a new fetch into a slot that an abandoned fetch may still be writing waits for that
@@ -64,8 +65,14 @@ class FetchLookups:
             return None
         return all(int(n) >= f.end for n, f in zip(found, fetches, strict=True))
 
-    def end(self, fetches: Sequence[FetchOp]) -> None:
+    def end(self, fetches: Sequence[FetchOp], *, retrieved: bool) -> None:
+        """Close the lookups' sessions; without a retrieve (which releases the chunks it
+        reads) also release the chunks each lookup locked."""
         for f in fetches:
+            found = None if retrieved else self.adapter.check_lookup_result(f.fetch_id)
+            if found:
+                self.adapter.free_lookup_locks(list(f.token_ids), 0, int(found), f.fetch_id,
+                                               cache_salt=f.cache_salt)
             self.adapter.end_session(f.fetch_id)
             self.adapter.cleanup_lookup_result(f.fetch_id)
 
@@ -107,7 +114,9 @@ class SpanFetches:
         """The span's donors are copied (or will not be): unlock them, free their slots."""
         if st.span is None or not st.span.fetches:
             return
-        self.lookups.end(st.span.fetches)
+        # NOTE: a planned span's RealizeOp went to the workers, whose retrieve releases what
+        # it reads (a worker failing before its retrieve leaves the locks to the server's TTL).
+        self.lookups.end(st.span.fetches, retrieved=st.planned)
         self.spans.release_fetched(st.span)
 
 
