@@ -58,7 +58,6 @@ def _generate(llm: Any, ids: list[int], max_tokens: int = 16, **options: Any) ->
 
 def _stored_prefix(llm: Any, ids: list[int]) -> int:
     """Tokens of ``ids``' prefix the LMCache server holds (the engine's own lookup keys)."""
-    time.sleep(1.0)  # stores land after the forward
     core = llm.llm_engine.engine_core.engine_core  # in-process engine (see __main__)
     adapter = core.scheduler.connector._shared.scheduler_adapter
     probe = f"probe-{time.monotonic_ns()}"
@@ -69,9 +68,21 @@ def _stored_prefix(llm: Any, ids: list[int]) -> int:
         if found is not None:
             break
         time.sleep(0.05)
+    if found:  # the lookup locked what it found; nothing will retrieve it
+        adapter.free_lookup_locks(list(ids), 0, int(found), probe)
     adapter.end_session(probe)
     adapter.cleanup_lookup_result(probe)
     return int(found or 0)
+
+
+def _wait_stored(llm: Any, ids: list[int], seconds: float = 60.0) -> None:
+    """Until the server holds every whole chunk of ``ids`` (stores land after the forward)."""
+    whole = len(ids) - len(ids) % 32
+    deadline = time.monotonic() + seconds
+    while _stored_prefix(llm, ids) < whole:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the LMCache server never held the donor's chunks")
+        time.sleep(0.2)
 
 
 def main(role: str, in_file: str, out_file: str, url: str | None = None,
@@ -85,14 +96,17 @@ def main(role: str, in_file: str, out_file: str, url: str | None = None,
         if role in ("donor", "host"):
             for ids in data["donors"]:
                 _generate(llm, ids, max_tokens=1)
-            time.sleep(1.0)  # LMCache stores after the forward; let the stores land
+                if role == "donor":
+                    _wait_stored(llm, ids)
         if role in ("realize", "host"):
             result["target"] = _generate(llm, data["target"])
         if role == "realize":
             llm.reset_prefix_cache()  # vLLM forgets; what LMCache holds stays
             result["again"] = _generate(llm, data["target"])
+            time.sleep(1.0)  # what LMCache would store lands after the forward
             result["stored_after_realized"] = _stored_prefix(llm, data["target"])
             result["cold"] = _generate(llm, data["target"], lookup=False, save=False)
+            time.sleep(1.0)
             result["stored_after_opted_out"] = _stored_prefix(llm, data["target"])
             # The server drops what no request holds (the donors' chunks too); Redis still
             # names the donors: a new target's fetch finds nothing, normal prefill. (A new
