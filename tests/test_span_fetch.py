@@ -133,3 +133,51 @@ def test_lookups_are_ready_only_when_every_donor_prefix_is_held_in_full():
     adapter.found["a"] = 288
     lookups.end(fetches, retrieved=False)  # no retrieve: release what each lookup locked
     assert adapter.freed == [("a", 0, 288), ("b", 0, 160)]
+
+
+class ScriptedRetrieveAdapter:
+    """Stands in for LMCache's worker adapter: each retrieve finishes at the next poll."""
+
+    def __init__(self) -> None:
+        self.submitted: list[str] = []
+        self._finishing: set[str] = set()
+
+    def submit_retrieve_request(self, request_id: str, op: object, event: object,
+                                cache_salt: str = "") -> None:
+        self.submitted.append(request_id)
+        self._finishing.add(request_id)
+
+    def get_finished(self, finished: set[str]) -> tuple[set[str], set[str]]:
+        done, self._finishing = self._finishing, set()
+        return set(), done
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()
+
+
+def _fetcher(adapter: ScriptedRetrieveAdapter):
+    from types import SimpleNamespace
+
+    from semkv_vllm.lmcache_fetch import HostFetcher
+
+    pytest.importorskip("lmcache", reason="needs lmcache (make test installs it)")
+    fetcher = HostFetcher.__new__(HostFetcher)  # without its LMCache connector (needs a server)
+    fetcher.connector = SimpleNamespace(worker_adapter=adapter)
+    fetcher.block_size, fetcher.wait_s = BS, 0.05
+    fetcher._in_flight, fetcher._landed = {}, []
+    return fetcher
+
+
+def test_a_fetch_that_lands_while_another_waits_for_its_slots_is_still_reported():
+    """An aborted request's fetch still in flight when its slots are taken again: the new
+    fetch waits for it, and the next poll reports it (the worker still waits for it)."""
+    adapter = ScriptedRetrieveAdapter()
+    fetcher = _fetcher(adapter)
+    old = FetchOp("old", [1] * 64, 64, [0, 1], [1, 1])
+    new = FetchOp("new", [2] * 64, 64, [1, 2], [2, 1])
+    fetcher.submit(old)
+    fetcher.submit(new)  # slot 1 overlaps: waits until "old" has landed
+    assert adapter.submitted == ["old", "new"]
+    done, errors = fetcher.poll()
+    assert sorted(f.fetch_id for f in done) == ["new", "old"] and errors == set()
+    assert fetcher.poll() == ([], set())

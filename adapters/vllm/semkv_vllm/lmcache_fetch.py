@@ -135,6 +135,7 @@ class HostFetcher:
         self.block_size = int(vllm_config.cache_config.block_size)
         self.wait_s = config.lookup_timeout_ms / 1000.0
         self._in_flight: dict[str, FetchOp] = {}
+        self._landed: list[FetchOp] = []  # finished while a submit waited: the next poll's
 
     @property
     def adapter(self) -> Any:
@@ -163,26 +164,32 @@ class HostFetcher:
         least one in-flight fetch to finish.
         """
         deadline = time.monotonic() + (self.wait_s if wait else 0.0)
-        done: list[FetchOp] = []
+        done, self._landed = self._landed, []
         errors: set[int] = set()
         while True:
-            _, finished = self.adapter.get_finished(set())
             errors |= set(self.adapter.get_block_ids_with_load_errors())
-            done += [self._in_flight.pop(f) for f in finished or () if f in self._in_flight]
+            done += self._collect()
             if done or not self._in_flight or time.monotonic() >= deadline:
                 return done, errors
             time.sleep(WAIT_SLICE_S)
 
+    def _collect(self) -> list[FetchOp]:
+        """The in-flight fetches LMCache reports finished, out of ``_in_flight``."""
+        _, finished = self.adapter.get_finished(set())
+        return [self._in_flight.pop(f) for f in finished or () if f in self._in_flight]
+
     def _drain_overlapping(self, slots: set[int]) -> None:
-        """Wait for in-flight fetches into any of ``slots`` (abandoned by an aborted request)."""
+        """Wait for in-flight fetches into any of ``slots`` (abandoned by an aborted request).
+
+        NOTE: what finishes meanwhile is kept for the next ``poll``: the worker may still be
+        waiting for it (a realization whose request was aborted still reports back to vLLM).
+        """
         deadline = time.monotonic() + max(self.wait_s, 1.0)
         while any(slots.intersection(f.slots) for f in self._in_flight.values()):
             if time.monotonic() >= deadline:
                 raise TimeoutError("an earlier fetch into these slots has not finished")
             time.sleep(WAIT_SLICE_S)
-            _, finished = self.adapter.get_finished(set())
-            for fetch_id in finished or ():
-                self._in_flight.pop(fetch_id, None)
+            self._landed += self._collect()
 
     def shutdown(self) -> None:
         self.connector.shutdown()
