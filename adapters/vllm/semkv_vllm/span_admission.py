@@ -137,12 +137,18 @@ class SpanAdmission:
             metadata={**plan.summary(), "copy_segments": copied})
         return match, hold
 
-    def _hold(self, hold: SpanHold) -> bool:
+    def _lease(self, hold: SpanHold) -> bool:
+        """One lease per donor of the plan (False: a donor is gone)."""
         for donor_id in hold.plan.donors:
             try:
                 hold.lease_ids.append(self.leases.acquire(donor_id).lease_id)
             except UnknownDonorError:
                 return False
+        return True
+
+    def _hold(self, hold: SpanHold) -> bool:
+        if not self._lease(hold):
+            return False
         for seg in hold.plan.segments:
             if seg.donor_id is None:
                 continue
@@ -160,11 +166,8 @@ class SpanAdmission:
     def _hold_for_fetch(self, hold: SpanHold, request_id: str,
                         donors: dict[str, Sequence[int]]) -> bool:
         """Leases, then private pinned slots and a ``FetchOp`` per donor (shared store)."""
-        for donor_id in hold.plan.donors:
-            try:
-                hold.lease_ids.append(self.leases.acquire(donor_id).lease_id)
-            except UnknownDonorError:
-                return False
+        if not self._lease(hold):
+            return False
         for k, donor_id in enumerate(hold.plan.donors):
             segments = [s for s in hold.plan.segments if s.donor_id == donor_id]
             blocks = max((s.donor_start + s.length - 1) // self.bs for s in segments) + 1
