@@ -85,9 +85,9 @@ class SchedulerSide:
         self.engine_supported = engine_supported
         self.provider = provider
         self.can_shift = can_shift  # positions of this model's keys can be moved (RoPE)
-        self.layout_known = False  # every worker reported a known page layout
-        self.can_realize = False  # every worker can realize spans (model and layout known)
-        self.workers_reported = False  # the workers' first report (layout, realize) arrived
+        # What the workers reported with their first step (None: no report yet)
+        self.layout_known: bool | None = None  # every worker has a known page layout
+        self.can_realize: bool | None = None  # every worker can realize spans
         self.request_only_enforced = request_only_enforced
         # Shared donor store: (request, local prefix) -> tokens it can load beyond the local
         # prefix, None while its lookup runs. Such stores load between steps.
@@ -126,6 +126,10 @@ class SchedulerSide:
         self.hook_seconds = 0.0  # connector hooks' time since the last stats export
         self.kv_cache_manager: Any = None
         self._exported: dict[str, int] = {}  # the guard's counters, as last exported
+
+    @property
+    def workers_reported(self) -> bool:
+        return self.layout_known is not None or self.can_realize is not None
 
     @property
     def donors(self) -> dict[str, Donor]:
@@ -341,7 +345,7 @@ class SchedulerSide:
         if not self.request_only_enforced():
             return FallbackReason.RECOMPUTE_POLICY  # loaded KV could become exact cache state
         if realize:  # shifted copies also need RoPE re-rotation: refused per plan by the worker
-            ok = self.layout_known and self.can_realize and self.can_shift
+            ok = bool(self.layout_known and self.can_realize and self.can_shift)
             return None if ok else FallbackReason.UNSUPPORTED_REQUEST
         span = assessment.span if assessment is not None else None
         if span is None or not self.layout_known or (span.shifted and not self.can_shift):
@@ -464,8 +468,6 @@ class SchedulerSide:
             self.layout_known = worker_meta.layout_known
         if worker_meta.can_realize is not None:
             self.can_realize = worker_meta.can_realize
-        if worker_meta.layout_known is not None or worker_meta.can_realize is not None:
-            self.workers_reported = True
         # NOTE: vLLM frees requests that stop in this step before it hands us the step's worker
         # output, so the counter counts confirmations whether or not the request is still here.
         for rid, blocks in worker_meta.loaded_blocks.items():
