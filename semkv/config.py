@@ -104,6 +104,12 @@ class SemkvConfig(BaseSettings):
     lmcache_server_url: str = Field(
         default="tcp://127.0.0.1:5555", pattern=r"^[a-z]+://[^:/]+:\d+$",
         description="donor_store=lmcache: the LMCache multiprocess server (scheme://host:port).")
+    realize_memory_bytes: ByteSize = Field(default=ByteSize(1 << 30), ge=1 << 20, description=(
+        "Realized spans: the most memory one realization may hold at once (its dense span KV "
+        "plus one chunk's activations) per worker; larger plans fall back, counted."))
+    transfer_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0, description=(
+        "Realized spans and shared-store loads: how long a realization or a donor fetch may "
+        "take before its span is reported invalid and vLLM recomputes it (load_failed)."))
     provider_config: dict[str, Any] = Field(default_factory=dict)
     config_file: Path | None = Field(default=None, description="Optional YAML file.")
 
