@@ -98,6 +98,7 @@ class RealizeOp:
     prompt_tokens: int = 0  # the tokens being prefilled
     kv_floor: str | None = None  # request option: round the realized KV (semkv_vllm.options)
     fetches: list[FetchOp] = field(default_factory=list)
+    max_chunk_tokens: int | None = None  # positions per layer call (None: a layer at once)
 
     def token_map(self) -> dict[int, int]:
         return dict(zip(self.token_positions, self.token_ids, strict=True))
