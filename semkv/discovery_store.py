@@ -315,7 +315,7 @@ class SharedDonors:
         return None if row is None or row[0] is None else unpack_tokens(row[0])
 
     def stats(self) -> dict[str, float]:
-        out = {k: float(v) for k, v in self.store.counters.items()}
+        out = {k: float(v) for k, v in dict(self.store.counters).items()}
         out["own_donors"] = float(len(self._own))
         out["shared_store"] = 1.0
         return out

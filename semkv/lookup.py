@@ -64,9 +64,21 @@ class GuardedProvider:
         self._pending: dict[str, _Pending] = {}
         self._last_write: Future[None] | None = None
         self._lock = threading.Lock()
+        # NOTE: written by the lookup and index threads, read by the scheduler's stats export:
+        # only through _count and counts(), under their own lock.
         self.counters: Counter[str] = Counter()
+        self._counts_lock = threading.Lock()
         # Does the host hold this donor id itself? Others' token ids come from the provider.
         self.known: Callable[[str], bool] = lambda donor_id: True
+
+    def _count(self, kind: str) -> None:
+        with self._counts_lock:
+            self.counters[kind] += 1
+
+    def counts(self) -> dict[str, int]:
+        """A consistent copy of the error counters (safe while lookups run)."""
+        with self._counts_lock:
+            return dict(self.counters)
 
     # -- lookups ---------------------------------------------------------------------------
     def _run(self, query: LookupQuery, after: Future[None] | None) -> _Found:
@@ -98,13 +110,13 @@ class GuardedProvider:
             if ok:
                 good.append(item)
             else:
-                self.counters["invalid_candidates"] += 1
+                self._count("invalid_candidates")
         return good
 
     def submit(self, query: LookupQuery) -> bool:
         """Start a background lookup; False when too many are in flight (counted as timeout)."""
         if not self._slots.acquire(blocking=False):
-            self.counters["saturated"] += 1
+            self._count("saturated")
             return False
         future = self._lookups.submit(self._run, query, self._last_write)
         with self._lock:
@@ -122,7 +134,7 @@ class GuardedProvider:
             if elapsed < self.timeout_s:
                 return None
             self.forget(request_id)
-            self.counters["timeouts"] += 1
+            self._count("timeouts")
             return LookupResult(reason=FallbackReason.PROVIDER_TIMEOUT, seconds=elapsed)
         self.forget(request_id)
         return self._result(pending.future, elapsed)
@@ -136,7 +148,7 @@ class GuardedProvider:
         try:
             pending.future.result(timeout=self.timeout_s)
         except FutureTimeout:
-            self.counters["timeouts"] += 1
+            self._count("timeouts")
             return LookupResult(reason=FallbackReason.PROVIDER_TIMEOUT,
                                 seconds=time.monotonic() - started)
         except Exception:  # noqa: BLE001 - reported through _result
@@ -146,7 +158,7 @@ class GuardedProvider:
     def _result(self, future: Future[_Found], seconds: float) -> LookupResult:
         error = future.exception()
         if error is not None:
-            self.counters["errors"] += 1
+            self._count("errors")
             log.warning("provider_lookup_failed", error_type=type(error).__name__)
             return LookupResult(reason=FallbackReason.PROVIDER_ERROR, seconds=seconds)
         candidates, remote = future.result()
@@ -162,7 +174,7 @@ class GuardedProvider:
             try:
                 fn(*args)  # type: ignore[operator]
             except Exception as exc:  # noqa: BLE001 - a provider never fails the engine
-                self.counters[f"{what}_errors"] += 1
+                self._count(f"{what}_errors")
                 log.warning("provider_call_failed", call=what, error_type=type(exc).__name__)
 
         self._last_write = self._writes.submit(run)
@@ -193,7 +205,7 @@ class GuardedProvider:
         try:
             self.provider.close()
         except Exception:  # noqa: BLE001
-            self.counters["close_errors"] += 1
+            self._count("close_errors")
 
 
 def _revalidated(item: object) -> Candidate | None:

@@ -43,6 +43,15 @@ FAMILIES: dict[str, tuple[str | None, str]] = {
     "fetched_blocks": ("outcome", "Donor blocks retrieved from a shared KV store into host "
                                   "slots for realized spans (donor_store: lmcache): landed or "
                                   "failed."),
+    "fetch_timeouts": (None, "Realized spans refused (donor_stale) because the shared KV store "
+                             "did not answer their donors' lookup within transfer_timeout_s."),
+    "realize_refused": ("reason", "Realized-span plans refused by the engine's limits: "
+                                  "tensor_parallel (realized spans run at TP=1 only), memory "
+                                  "(over realize_memory_bytes)."),
+    "transfers_cancelled": (None, "Realizations and donor fetches dropped because their "
+                                  "request was aborted (its blocks are never written)."),
+    "transfer_timeouts": (None, "Realizations and donor fetches past transfer_timeout_s: "
+                                "reported invalid, vLLM recomputes the span (load_failed)."),
     "request_only_blocks": (None, "Blocks served request-only: never exact prefix-cache state."),
     "span_tokens": ("kind", "Realized spans' tokens (worker-confirmed): copied from donors, of "
                             "which shifted (keys re-rotated), computed inside the span, and "

@@ -164,20 +164,53 @@ def _fetcher(adapter: ScriptedRetrieveAdapter):
     fetcher = HostFetcher.__new__(HostFetcher)  # without its LMCache connector (needs a server)
     fetcher.connector = SimpleNamespace(worker_adapter=adapter)
     fetcher.block_size, fetcher.wait_s = BS, 0.05
-    fetcher._in_flight, fetcher._landed = {}, []
+    fetcher._in_flight, fetcher._queued = {}, []
     return fetcher
 
 
-def test_a_fetch_that_lands_while_another_waits_for_its_slots_is_still_reported():
+def test_a_fetch_into_slots_an_abandoned_fetch_still_writes_is_queued_never_waited_for():
     """An aborted request's fetch still in flight when its slots are taken again: the new
-    fetch waits for it, and the next poll reports it (the worker still waits for it)."""
+    fetch is queued behind it (the main thread never blocks), sent by the poll that sees the
+    old one land, and reported by a later poll; both are reported exactly once."""
     adapter = ScriptedRetrieveAdapter()
     fetcher = _fetcher(adapter)
     old = FetchOp("old", [1] * 64, 64, [0, 1], [1, 1])
     new = FetchOp("new", [2] * 64, 64, [1, 2], [2, 1])
+    apart = FetchOp("apart", [3] * 32, 32, [5], [1])
     fetcher.submit(old)
-    fetcher.submit(new)  # slot 1 overlaps: waits until "old" has landed
-    assert adapter.submitted == ["old", "new"]
-    done, errors = fetcher.poll()
-    assert sorted(f.fetch_id for f in done) == ["new", "old"] and errors == set()
+    fetcher.submit(new)  # slot 1 overlaps: queued, not sent
+    fetcher.submit(apart)  # no overlap: sent at once, even behind a queued fetch
+    assert adapter.submitted == ["old", "apart"] and fetcher.busy
+    done, errors = fetcher.poll()  # "old" and "apart" land; "new" goes out now
+    assert sorted(f.fetch_id for f in done) == ["apart", "old"] and errors == set()
+    assert adapter.submitted == ["old", "apart", "new"]
+    done, _ = fetcher.poll()
+    assert [f.fetch_id for f in done] == ["new"] and not fetcher.busy
     assert fetcher.poll() == ([], set())
+
+
+def test_a_lookup_ended_while_it_runs_releases_its_locks_once_answered():
+    """An abort during the donors' lookup: its session and locks are settled on a later step,
+    when the server's answer says what it locked (not left to the server's lock TTL)."""
+    fetches = [FetchOp("a", [1] * 320, 320, list(range(10)), [1] * 10)]
+    adapter = RecordingLookupAdapter({"a": None})
+    lookups = FetchLookups(adapter, timeout_s=30.0)
+    lookups.start(fetches)
+    lookups.end(fetches, retrieved=False)
+    assert adapter.ended == [] and lookups.unsettled == 1
+    lookups.settle()
+    assert adapter.ended == [] and lookups.unsettled == 1  # still running
+    adapter.found["a"] = 320
+    lookups.settle()
+    assert adapter.freed == [("a", 0, 320)] and adapter.ended == ["a"]
+    assert lookups.unsettled == 0
+
+
+def test_a_lookup_never_answered_is_closed_at_its_deadline():
+    fetches = [FetchOp("a", [1] * 64, 64, [0, 1], [1, 1])]
+    adapter = RecordingLookupAdapter({"a": None})
+    lookups = FetchLookups(adapter, timeout_s=0.0)
+    lookups.start(fetches)
+    lookups.end(fetches, retrieved=False)
+    lookups.settle()
+    assert adapter.ended == ["a"] and adapter.freed == [] and lookups.unsettled == 0

@@ -110,13 +110,18 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
                     self.commit_policy_enforced
                     or not vllm_config.cache_config.enable_prefix_caching),
                 shared_lookup=self._shared_lookup if self._shared is not None else None,
-                fetch_lookups=self._fetch_lookups())
+                fetch_lookups=self._fetch_lookups(),
+                tensor_parallel=vllm_config.parallel_config.tensor_parallel_size)
+            if semantic and self.config.realize_spans and self._scheduler.tensor_parallel > 1:
+                log.warning("realized_spans_refused", why="tensor_parallel_size > 1",
+                            counted_as="vllm:semkv_realize_refused_total{reason=tensor_parallel}")
             log.info("semkv_connector_ready", mode=str(self.config.semantic_mode),
                      provider=self.config.provider, slots=slots, bytes_per_slot=per_slot)
         else:
             check_store_fits_host(self.config)
             self._worker = WorkerSide(slots, layerwise=self.config.layerwise_load, rope=rope,
-                                      async_save=self.config.async_save)
+                                      async_save=self.config.async_save,
+                                      transfer_timeout_s=self.config.transfer_timeout_s)
         self._semantic = semantic
 
     def _fetch_lookups(self) -> Any:
@@ -124,7 +129,8 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         from semkv_vllm.lmcache_fetch import FetchLookups
 
-        return FetchLookups(self._shared.scheduler_adapter)
+        return FetchLookups(self._shared.scheduler_adapter,
+                            timeout_s=self.config.transfer_timeout_s)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -329,6 +335,8 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
             with self._timed():
+                # NOTE: before vLLM reads the finished sets (finish_order.py says why)
+                self._scheduler.finish_order.rewrite(connector_output)
                 self._scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
         if self._shared is not None:
             self._shared.update_connector_output(connector_output)
@@ -336,13 +344,13 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
+        delay_free = False
+        if self._shared is not None:
+            self._shared_found.pop(request.request_id, None)
+            # LMCache may still be saving the request's blocks: it frees them when done.
+            delay_free, _ = self._shared.request_finished(request, block_ids)
         with self._timed():
-            summary = self._scheduler.request_finished(request)
-        if self._shared is None:
-            return False, summary
-        self._shared_found.pop(request.request_id, None)
-        # LMCache may still be saving the request's blocks: it frees them when done.
-        delay_free, _ = self._shared.request_finished(request, block_ids)
+            summary = self._scheduler.request_finished(request, shared_delays_free=delay_free)
         return delay_free, summary
 
     def request_finished_all_groups(

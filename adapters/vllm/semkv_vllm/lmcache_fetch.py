@@ -17,11 +17,17 @@ Protocol, per realized span whose donors are in the shared store (``SpanHold.fet
   retrieve failed. The realization starts once all of its fetches have landed.
 - scheduler, when the request's hold is released (loaded, failed, finished or preempted):
   ``FetchLookups.end`` closes the lookups' sessions; a retrieve releases the read locks of the
-  chunks it reads, so where none was sent (donor_stale, aborted first) it releases them.
+  chunks it reads, so where none was sent (donor_stale, aborted first) it releases them. A
+  lookup still running then (an abort during it) is settled on a later step (``settle``), when
+  its answer says which chunks it locked.
+- a lookup the server has not answered within ``transfer_timeout_s`` is ``donor_stale``
+  (``fetch_timeouts``); the worker applies the same deadline to its retrieves.
 
 NOTE: the slots are private to one request, free when reserved and pinned until its hold is
-released; a new fetch into a slot that an abandoned fetch may still be writing waits for that
-fetch first (``HostFetcher.submit``).
+released; a new fetch into a slot that an abandoned fetch may still be writing is queued
+behind it (``HostFetcher.submit``; sent by a later ``poll``, never waited for on the main
+thread). An abandoned fetch is still sent and finished: its retrieve releases the read locks
+its lookup took, and its slots are fenced until LMCache reports it.
 NOTE: a fetch into slot ``s`` writes it only on success: the worker then sets the slot's
 generation, so a failed or unfinished fetch leaves its copies stale (normal prefill, counted).
 """
@@ -45,8 +51,10 @@ WAIT_SLICE_S = 0.002
 class FetchLookups:
     """Scheduler side, over the engine's embedded LMCache scheduler adapter."""
 
-    def __init__(self, adapter: Any) -> None:
+    def __init__(self, adapter: Any, timeout_s: float = 30.0) -> None:
         self.adapter = adapter  # LMCacheMPSchedulerAdapter
+        self.timeout_s = timeout_s
+        self._closing: list[tuple[FetchOp, float]] = []  # ended while their lookup ran
 
     @property
     def chunk_tokens(self) -> int:
@@ -69,19 +77,44 @@ class FetchLookups:
         """Close the lookups' sessions; without a retrieve (which releases the chunks it
         reads) also release the chunks each lookup locked."""
         for f in fetches:
-            found = None if retrieved else self.adapter.check_lookup_result(f.fetch_id)
-            if found:
-                self.adapter.free_lookup_locks(list(f.token_ids), 0, int(found), f.fetch_id,
-                                               cache_salt=f.cache_salt)
-            self.adapter.end_session(f.fetch_id)
-            self.adapter.cleanup_lookup_result(f.fetch_id)
+            if not retrieved and self.adapter.check_lookup_result(f.fetch_id) is None:
+                self._closing.append((f, time.monotonic() + self.timeout_s))
+                continue
+            self._close(f, unlock=not retrieved)
+
+    def _close(self, f: FetchOp, *, unlock: bool) -> None:
+        found = self.adapter.check_lookup_result(f.fetch_id) if unlock else None
+        if found:
+            self.adapter.free_lookup_locks(list(f.token_ids), 0, int(found), f.fetch_id,
+                                           cache_salt=f.cache_salt)
+        self.adapter.end_session(f.fetch_id)
+        self.adapter.cleanup_lookup_result(f.fetch_id)
+
+    def settle(self) -> None:
+        """Close the lookups ended while they ran, once answered (or past their deadline:
+        then the server's lock TTL frees what they took)."""
+        if not self._closing:
+            return
+        now, still = time.monotonic(), []
+        for f, deadline in self._closing:
+            if self.adapter.check_lookup_result(f.fetch_id) is not None or now >= deadline:
+                self._close(f, unlock=True)
+            else:
+                still.append((f, deadline))
+        self._closing = still
+
+    @property
+    def unsettled(self) -> int:
+        return len(self._closing)
 
 
 class SpanFetches:
     """Scheduler side: a realized span is answered once the store confirms its donors."""
 
-    def __init__(self, lookups: FetchLookups, spans: SpanAdmission, stats: CounterBag) -> None:
+    def __init__(self, lookups: FetchLookups, spans: SpanAdmission, stats: CounterBag, *,
+                 timeout_s: float = 30.0) -> None:
         self.lookups = lookups
+        self.timeout_s = timeout_s
         self.spans = spans
         self.stats = stats
 
@@ -91,19 +124,19 @@ class SpanFetches:
         for fetch in st.span.fetches:
             fetch.cache_salt = st.request.cache_salt or ""
         self.lookups.start(st.span.fetches)
-        st.fetching = realized
+        st.fetching, st.fetch_started = realized, time.monotonic()
         return self.poll(st)
 
     def poll(self, st: RequestState) -> SemanticKVMatch | None:
         """None while the lookups run; then the span, or ``donor_stale`` with all released."""
         assert st.span is not None and st.fetching is not None
         ready = self.lookups.ready(st.span.fetches)
-        if ready is None:
+        if ready is None and time.monotonic() - st.fetch_started < self.timeout_s:
             return None
         match, st.fetching = st.fetching, None
         if ready:
             return match
-        self.stats.inc("fetch_missing")
+        self.stats.inc("fetch_missing" if ready is not None else "fetch_timeouts")
         self.end(st)
         self.spans.release(st.span)
         st.span = None
@@ -135,7 +168,7 @@ class HostFetcher:
         self.block_size = int(vllm_config.cache_config.block_size)
         self.wait_s = config.lookup_timeout_ms / 1000.0
         self._in_flight: dict[str, FetchOp] = {}
-        self._landed: list[FetchOp] = []  # finished while a submit waited: the next poll's
+        self._queued: list[FetchOp] = []  # behind an earlier fetch into one of their slots
 
     @property
     def adapter(self) -> Any:
@@ -144,18 +177,36 @@ class HostFetcher:
     def register(self, store: dict[str, Any]) -> None:
         self.connector.register_kv_caches(store)
 
-    def submit(self, op: FetchOp) -> None:
-        """Retrieve the donor's tokens ``[0, op.end)`` into ``op.slots``."""
-        from lmcache.integration.vllm.vllm_multi_process_adapter import LoadStoreOp
+    @property
+    def busy(self) -> bool:
+        return bool(self._in_flight or self._queued)
 
+    def submit(self, op: FetchOp) -> None:
+        """Retrieve the donor's tokens ``[0, op.end)`` into ``op.slots`` (now, or queued behind
+        an earlier fetch into one of them)."""
         if op.end % self.block_size or len(op.slots) != op.end // self.block_size:
             raise ValueError(f"{len(op.slots)} slots for {op.end} tokens of "
                              f"{self.block_size}-token blocks")
-        self._drain_overlapping(set(op.slots))
-        load = LoadStoreOp(token_ids=list(op.token_ids), block_ids=[list(op.slots)], start=0,
-                           end=op.end)
-        self._in_flight[op.fetch_id] = op
-        self.adapter.submit_retrieve_request(op.fetch_id, load, None, cache_salt=op.cache_salt)
+        self._queued.append(op)
+        self._send_queued()
+
+    def _send_queued(self) -> None:
+        """Send every queued fetch whose slots no earlier fetch still writes (in order)."""
+        from lmcache.integration.vllm.vllm_multi_process_adapter import LoadStoreOp
+
+        fenced = {s for f in self._in_flight.values() for s in f.slots}
+        still = []
+        for op in self._queued:
+            if fenced.intersection(op.slots):
+                still.append(op)
+            else:
+                load = LoadStoreOp(token_ids=list(op.token_ids), block_ids=[list(op.slots)],
+                                   start=0, end=op.end)
+                self._in_flight[op.fetch_id] = op
+                self.adapter.submit_retrieve_request(op.fetch_id, load, None,
+                                                     cache_salt=op.cache_salt)
+            fenced.update(op.slots)
+        self._queued = still
 
     def poll(self, *, wait: bool = False) -> tuple[list[FetchOp], set[int]]:
         """(fetches finished since the last call, slots whose retrieve failed).
@@ -164,11 +215,12 @@ class HostFetcher:
         least one in-flight fetch to finish.
         """
         deadline = time.monotonic() + (self.wait_s if wait else 0.0)
-        done, self._landed = self._landed, []
+        done: list[FetchOp] = []
         errors: set[int] = set()
         while True:
             errors |= set(self.adapter.get_block_ids_with_load_errors())
             done += self._collect()
+            self._send_queued()
             if done or not self._in_flight or time.monotonic() >= deadline:
                 return done, errors
             time.sleep(WAIT_SLICE_S)
@@ -177,19 +229,6 @@ class HostFetcher:
         """The in-flight fetches LMCache reports finished, out of ``_in_flight``."""
         _, finished = self.adapter.get_finished(set())
         return [self._in_flight.pop(f) for f in finished or () if f in self._in_flight]
-
-    def _drain_overlapping(self, slots: set[int]) -> None:
-        """Wait for in-flight fetches into any of ``slots`` (abandoned by an aborted request).
-
-        NOTE: what finishes meanwhile is kept for the next ``poll``: the worker may still be
-        waiting for it (a realization whose request was aborted still reports back to vLLM).
-        """
-        deadline = time.monotonic() + max(self.wait_s, 1.0)
-        while any(slots.intersection(f.slots) for f in self._in_flight.values()):
-            if time.monotonic() >= deadline:
-                raise TimeoutError("an earlier fetch into these slots has not finished")
-            time.sleep(WAIT_SLICE_S)
-            self._landed += self._collect()
 
     def shutdown(self) -> None:
         self.connector.shutdown()

@@ -21,7 +21,7 @@ def realize_op(st: RequestState, block_ids: Sequence[int]) -> RealizeOp:
     assert st.span is not None
     op = st.span.op(st.request.request_id, st.request.all_token_ids, block_ids)
     op.kv_floor = st.options.kv_floor if st.options is not None else None
-    st.may_save = False
+    st.may_save, st.request_only = False, True
     return op
 
 
@@ -39,5 +39,5 @@ def load_op(st: RequestState, block_ids: Sequence[int], block_size: int, *,
         op.segments = list(span.segments)
         op.donor_first_block = span.donor_range()[0] // block_size
         op.target_start = span.target_start
-        st.may_save = False
+        st.may_save, st.request_only = False, True
     return op

@@ -31,11 +31,15 @@ class RequestState:
     errored: bool = False  # vLLM ended it for its failed load (kv_load_failure_policy fail)
     saved_blocks: int = 0
     may_save: bool = True
+    # NOTE: sticky: once any of its KV came from a non-exact op it stays request-only for life
+    # (an engine reset releases its decision's holds, never this).
+    request_only: bool = False
     registered: bool = False
     lookup_started: bool = False
     span: SpanHold | None = None  # a realized span's plan, leases and pinned slots
     fetching: SemanticKVMatch | None = None  # its span's answer, while its donors are looked up
     fetch_key: tuple[int, int] | None = None  # (local prefix, preemptions) of that lookup
+    fetch_started: float = 0.0  # time.monotonic() when that lookup was sent
     options: RequestOptions | None = None  # its semkv_options (request_options: true)
     bad_options: bool = False  # it sent options that do not parse: normal prefill
     # its span's strategy (read_options: the engine's, or its options' over it)

@@ -57,6 +57,7 @@ from semkv.types import (
     SemanticKVMatch,
 )
 from semkv_vllm.donor_registry import Donor, DonorRegistry
+from semkv_vllm.finish_order import FinishOrder
 from semkv_vllm.foreign_donors import ForeignDonors
 from semkv_vllm.lmcache_fetch import FetchLookups, SpanFetches
 from semkv_vllm.load_ops import load_op, realize_op
@@ -77,7 +78,7 @@ class SchedulerSide:
                  provider: GuardedProvider | None, can_shift: bool = False,
                  request_only_enforced: Callable[[], bool] = lambda: False,
                  shared_lookup: Callable[[Any, int], int | None] | None = None,
-                 fetch_lookups: FetchLookups | None = None) -> None:
+                 fetch_lookups: FetchLookups | None = None, tensor_parallel: int = 1) -> None:
         self.config = config
         self.bs = block_size
         self.namespace = namespace
@@ -85,6 +86,11 @@ class SchedulerSide:
         self.engine_supported = engine_supported
         self.provider = provider
         self.can_shift = can_shift  # positions of this model's keys can be moved (RoPE)
+        # NOTE: realized spans are refused under tensor parallelism: each rank would realize
+        # its own heads, and one rank's failure, stale slot or deadline would leave the other
+        # ranks' all-reduces unpaired (hang or wrong sums).
+        self.tensor_parallel = tensor_parallel
+        self.finish_order = FinishOrder()
         # What the workers reported with their first step (None: no report yet)
         self.layout_known: bool | None = None  # every worker has a known page layout
         self.can_realize: bool | None = None  # every worker can realize spans
@@ -118,7 +124,8 @@ class SchedulerSide:
                       if (self.materialize and config.realize_spans
                           and (shared_lookup is None or fetch_chunk is not None)
                           and QualityTier.VERIFIED in config.semantic_tiers) else None)
-        self.fetches = (SpanFetches(self.fetch_lookups, self.spans, self.stats)
+        self.fetches = (SpanFetches(self.fetch_lookups, self.spans, self.stats,
+                                    timeout_s=config.transfer_timeout_s)
                         if self.spans is not None and self.fetch_lookups is not None else None)
         self.recompute = strategy_of(config)  # the engine's; a request's options lay over it
         if provider is not None:
@@ -153,7 +160,8 @@ class SchedulerSide:
 
     def _may_save(self, st: RequestState) -> bool:
         opted_out = st.options is not None and not st.options.save
-        return self.engine_supported and self._supported(st.request) and not opted_out
+        return (self.engine_supported and self._supported(st.request) and not opted_out
+                and not st.request_only)
 
     @staticmethod
     def _supported(request: Any) -> bool:
@@ -299,6 +307,10 @@ class SchedulerSide:
             rid, st.request.all_token_ids, local, candidates, self._span_view,
             st.namespace.digest, exact, st.recompute,
             st.options.reuse_until if st.options is not None else None))
+        if not isinstance(planned, FallbackReason) and self.tensor_parallel > 1:
+            self.spans.release(planned[1])
+            self.stats.inc("realize_refused", "tensor_parallel")
+            planned = FallbackReason.UNSUPPORTED_REQUEST
         if not isinstance(planned, FallbackReason):
             if match.is_hit:
                 self.leases.release(match.donor_lease_id or "")
@@ -323,9 +335,7 @@ class SchedulerSide:
         if st is None:
             return False
         opted_out = st.options is not None and not st.options.save
-        d = st.decision
-        return opted_out or (d is not None and d.is_hit
-                             and d.cache_policy is CachePolicy.REQUEST_ONLY)
+        return opted_out or self.cache_policy(request_id) is CachePolicy.REQUEST_ONLY
 
     def _end_fetches(self, st: RequestState) -> None:
         if self.fetches is not None:
@@ -388,23 +398,28 @@ class SchedulerSide:
         return lo // self.bs, (hi - 1) // self.bs - lo // self.bs + 1
 
     def _release(self, st: RequestState) -> None:
+        self._release_holds(st)
+        st.span, st.fetching, st.planned = None, None, False
+        st.decision, st.decided_for, st.answer = None, None, (0, False)
+
+    def _release_holds(self, st: RequestState) -> None:
+        """Leases, pins, fetched slots and lookup locks; the decision itself stays."""
         if st.span is not None:  # a realization holds every lease and pin in its SpanHold
             assert self.spans is not None
             self._end_fetches(st)
-            self.spans.release(st.span)
-            st.span = None
-            st.fetching = None
+            self.spans.release(st.span)  # idempotent: the plan stays for the accounting
         elif st.decision is not None and st.decision.donor_lease_id:
             self.leases.release(st.decision.donor_lease_id)
         if st.pinned:
             self.index.unpin(st.pinned)
         self.foreign.drop_shared(st.request.request_id)
-        st.pinned, st.generations, st.planned = [], [], False
-        st.decision, st.decided_for, st.answer = None, None, (0, False)
+        st.pinned, st.generations = [], []
 
     def cache_policy(self, request_id: str) -> CachePolicy:
         """Side-effect free: may this request's blocks become exact prefix-cache state?"""
         st = self.requests.get(request_id)
+        if st is not None and st.request_only:
+            return CachePolicy.REQUEST_ONLY
         if st is not None and st.decision is not None and st.decision.is_hit:
             return st.decision.cache_policy
         return CachePolicy.EXACT_COMMIT
@@ -439,7 +454,10 @@ class SchedulerSide:
             self.pending_loads.append(load)
             request_only = load.segments is not None
         if request_only:
+            st.request_only = True
             self.stats.inc("request_only_blocks", amount=d.external_prefix_tokens // self.bs)
+        if st.answer[1]:  # asynchronous: the worker reports it received, later
+            self.finish_order.expect(request.request_id)
         self.stats.inc("materialize_requests", d.quality_tier)
         st.planned = True
 
@@ -458,6 +476,8 @@ class SchedulerSide:
                     self.registry.capture(st, st.request.num_computed_tokens + scheduled, meta,
                                           self.kv_cache_manager)
         self.index.evicted_keys.clear()
+        if self.fetch_lookups is not None:
+            self.fetch_lookups.settle()  # lookups of aborted requests, once answered
         return meta
 
     # -- worker feedback and finish ----------------------------------------------------------
@@ -490,7 +510,9 @@ class SchedulerSide:
                 st.load_failed = True
                 self._end_fetches(st)
 
-    def request_finished(self, request: Any) -> dict[str, Any] | None:
+    def request_finished(self, request: Any, *,
+                         shared_delays_free: bool = False) -> dict[str, Any] | None:
+        self.finish_order.finished(request.request_id, shared_delays_free=shared_delays_free)
         st = self.requests.pop(request.request_id, None)
         if st is None:
             return None
@@ -507,8 +529,15 @@ class SchedulerSide:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def reset(self, *, provider: bool = True) -> None:
+        """Forget every donor and hold. vLLM calls it with requests still running (its own
+        prefix-cache reset may fail while blocks are in use; the connector's runs anyway)."""
         for st in self.requests.values():
-            self._release(st)
+            if st.planned:
+                # Its KV is (being) written: keep the decision, so its provenance and cache
+                # policy (request-only stays request-only) outlive the reset.
+                self._release_holds(st)
+            else:
+                self._release(st)
             st.saved_blocks, st.registered, st.may_save = 0, False, self._may_save(st)
         self.leases.release_all()
         self.pending_loads, self.pending_realizes = [], []
@@ -531,7 +560,7 @@ class SchedulerSide:
             self.stats.observe("scheduler_seconds", self.hook_seconds)
             self.hook_seconds = 0.0
         if self.provider is not None:  # export the guard's counters as deltas
-            for kind, value in self.provider.counters.items():
+            for kind, value in self.provider.counts().items():
                 delta = value - self._exported.get(kind, 0)
                 if delta:
                     self.stats.inc("lookup_errors", kind, delta)

@@ -15,10 +15,11 @@ NOTE: saves start in ``wait_for_save``, after the whole forward, and only cover 
 every token was computed by the end of this step (the scheduler guarantees it), so chunked
 prefill never stores a partial block.
 NOTE: realized spans (``RealizeOp``, non-prefix reuse) are advanced between steps on the main
-thread (``realization.py``): submitted in ``start_load_kv``, computed a bounded amount per
-step in ``take_finished_recving`` (all of it in a step that scheduled no token), then written
-into the request's blocks and reported received, or reported invalid. A ``RealizeOp`` with
-``fetches`` (donors in a shared KV store) first retrieves them into its private slots
+thread (``span_jobs.py``, ``realization.py``): submitted in ``start_load_kv``, computed a
+bounded amount per step in ``take_finished_recving`` (all of it in a step that scheduled no
+token), then written into the request's blocks and reported received, or reported invalid;
+cancelled when their request is aborted, failed past ``transfer_timeout_s``. A ``RealizeOp``
+with ``fetches`` (donors in a shared KV store) first retrieves them into its private slots
 (``lmcache_fetch.HostFetcher``); it is submitted once all of them have landed.
 NOTE: with ``async_save`` the copy runs on one background thread, off the step's critical path
 (the first token is sampled and sent while it runs). It reads blocks that are complete and
@@ -40,11 +41,12 @@ import torch
 from semkv.log import get_logger
 from semkv.metrics import CounterBag
 from semkv_vllm.block_copy import allocate_store, copy_blocks
-from semkv_vllm.metadata import LoadOp, RealizeOp, SaveOp, SemkvMetadata, SemkvWorkerMetadata
+from semkv_vllm.metadata import LoadOp, SaveOp, SemkvMetadata, SemkvWorkerMetadata
 from semkv_vllm.options import round_blocks_fp8
 from semkv_vllm.page_layout import PageLayout
-from semkv_vllm.realization import Realized, SpanRealizer
+from semkv_vllm.realization import SpanRealizer
 from semkv_vllm.rope import RopeShift
+from semkv_vllm.span_jobs import SpanJobs
 
 log = get_logger("semkv.vllm.worker")
 
@@ -57,7 +59,8 @@ class _SaveResult:
 
 class WorkerSide:
     def __init__(self, num_slots: int, *, layerwise: bool = False,
-                 rope: RopeShift | None = None, async_save: bool = False) -> None:
+                 rope: RopeShift | None = None, async_save: bool = False,
+                 transfer_timeout_s: float = 30.0) -> None:
         self.num_slots = num_slots
         self.layerwise = layerwise
         self.async_save = async_save
@@ -82,7 +85,7 @@ class WorkerSide:
         self.realizer: SpanRealizer | None = None
         self.report_realize = False  # set when span realization is configured
         self.fetcher: Any = None  # lmcache_fetch.HostFetcher (donor_store: lmcache)
-        self._awaiting: dict[str, tuple[RealizeOp, set[str]]] = {}  # rid -> op, fetches left
+        self.spans = SpanJobs(self, transfer_timeout_s)  # realized spans, op to report
 
     # -- setup -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -112,7 +115,7 @@ class WorkerSide:
         if self._meta is not None and self._meta.realizes:
             self.drain_saves()  # a realization reads slots an in-flight save may be writing
             for rop in self._meta.realizes:
-                self._start_realize(rop)
+                self.spans.start(rop)
         if self._meta is None or not self._meta.loads:
             return
         self.drain_saves()  # a load may read a slot an in-flight save is writing
@@ -189,101 +192,6 @@ class WorkerSide:
         deltas = torch.as_tensor(target_pos, dtype=torch.long) - torch.as_tensor(donor_pos)
         self._maps[id(op)] = (source, deltas)
         return source, deltas
-
-    # -- realized spans ---------------------------------------------------------------------
-    def _stale(self, op: RealizeOp) -> bool:
-        return not all(self._current(c.slots, c.generations) for c in op.copies)
-
-    def _start_realize(self, op: RealizeOp) -> None:
-        if not op.fetches:
-            self._submit_realize(op)
-            return
-        if self.fetcher is None:
-            self._fail_realize(op, "fetch_unavailable")
-            return
-        try:
-            for fetch in op.fetches:
-                self.fetcher.submit(fetch)
-        except Exception as exc:  # noqa: BLE001 - a failed fetch becomes a recompute
-            self._fail_realize(op, type(exc).__name__)
-            return
-        self._awaiting[op.request_id] = (op, {f.fetch_id for f in op.fetches})
-
-    def _advance_fetches(self) -> None:
-        """Mark landed fetches' slots current; submit the realizations they complete."""
-        if not self._awaiting:
-            return
-        idle = self._meta is not None and self._meta.idle
-        try:
-            done, errors = self.fetcher.poll(wait=idle)
-        except Exception as exc:  # noqa: BLE001 - the shared store failed: recompute them all
-            for op, _ in self._awaiting.values():
-                self._fail_realize(op, type(exc).__name__)
-            self._awaiting.clear()
-            return
-        for fetch in done:
-            ok = not errors.intersection(fetch.slots)
-            for slot, generation in zip(fetch.slots, fetch.generations, strict=True):
-                self.slot_generation[slot] = generation if ok else -1
-            self.stats.inc("fetched_blocks", "landed" if ok else "failed",
-                           amount=len(fetch.slots))
-        landed = {f.fetch_id for f in done}
-        for rid, (op, left) in list(self._awaiting.items()):
-            left -= landed
-            if not left:
-                del self._awaiting[rid]
-                self._submit_realize(op)  # a failed fetch leaves its copies stale
-
-    def _submit_realize(self, op: RealizeOp) -> None:
-        stale = self._stale(op)
-        if self.realizer is None or stale:
-            self._fail_realize(op, "stale_slot" if stale else "realization_unavailable")
-            return
-        self.realizer.submit(op)
-
-    def _finish_realizations(self, finished: set[str], *, wait: bool = False) -> None:
-        if self.realizer is None:
-            return
-        idle = self._meta is not None and self._meta.idle
-        for done in self.realizer.advance(idle=idle, finish=wait):
-            self._finish_realize(done, finished)
-
-    def _finish_realize(self, done: Realized, finished: set[str]) -> None:
-        op = done.op
-        self.stats.observe("realize_seconds", done.seconds)
-        if done.error is not None:
-            self._fail_realize(op, done.error)
-            return
-        # NOTE: slots are pinned for the realization, but an engine reset unpins everything and
-        # later saves may have rewritten a slot while it was read: then the KV is not the donor's.
-        if op.copies:
-            self.drain_saves()
-            if self._stale(op):
-                self._fail_realize(op, "slot_rewritten")
-                return
-        if op.request_id not in finished:  # aborted meanwhile: vLLM frees its blocks after this
-            try:
-                assert self.realizer is not None
-                self.realizer.write(done)
-                for kv in self.kv_caches.values():
-                    self._floor(op.kv_floor, kv, op.block_ids)
-            except Exception as exc:  # noqa: BLE001
-                self._fail_realize(op, type(exc).__name__)
-                return
-        self._loaded[op.request_id] = len(op.block_ids)
-        self._recomputed[op.request_id] = len(done.recomputed)
-        self.stats.inc("loaded_blocks", amount=len(op.block_ids))
-        self._finished_recving.add(op.request_id)
-
-    def _fail_realize(self, op: RealizeOp, why: str) -> None:
-        self._invalid_blocks.update(op.block_ids)
-        self._failed.add(op.request_id)
-        self._loaded.pop(op.request_id, None)
-        self.stats.inc("materialize_failed")
-        self.stats.inc("invalid_blocks", amount=len(op.block_ids))
-        self._finished_recving.add(op.request_id)
-        log.warning("realize_failed", request_id=op.request_id, blocks=len(op.block_ids),
-                    why=why)
 
     def _pending_layers_for(self, op: LoadOp) -> bool:
         return any(op in ops for ops in self._pending_layers.values())
@@ -374,8 +282,8 @@ class WorkerSide:
 
     # -- reporting -------------------------------------------------------------------------
     def take_finished_recving(self, finished_req_ids: set[str] | None = None) -> set[str]:
-        self._advance_fetches()
-        self._finish_realizations(finished_req_ids or set())
+        idle = self._meta is not None and self._meta.idle
+        self.spans.advance(finished_req_ids or set(), idle=idle)
         done, self._finished_recving = self._finished_recving, set()
         return done
 

@@ -1,0 +1,172 @@
+"""Worker side: each realized span from its ``RealizeOp`` to its one report to vLLM.
+
+Per op: its donor fetches (``donor_store: lmcache``) -> the realization job
+(``realization.SpanRealizer``) -> the write into the request's blocks -> reported received
+(``finished_recving``), or reported invalid and received (vLLM recomputes those blocks under
+``kv_load_failure_policy: recompute``). Driven by ``WorkerSide`` on the main thread:
+``start`` in ``start_load_kv``, ``advance`` in ``get_finished`` (after the step's forward).
+
+NOTE: an op whose request was aborted (vLLM's ``finished_req_ids`` of the step) is cancelled
+at the next ``advance``: its job is dropped, nothing is written, and it is reported received
+at once, so vLLM can free its blocks (``transfers_cancelled``). Its fetches still run to their
+end inside ``HostFetcher`` (their slots stay fenced until then, and a retrieve releases the
+server's read locks), but nobody waits for them.
+NOTE: an op still unreported ``transfer_timeout_s`` after it arrived (a retrieve the server
+never answers, a realization starved by busy steps) is reported invalid: vLLM recomputes the
+span, the request's output is the cold one (``transfer_timeouts``, ``load_failed``). Wall-clock
+deadlines differ between ranks: realized spans are refused under tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from semkv.log import get_logger
+from semkv_vllm.metadata import RealizeOp
+from semkv_vllm.realization import Realized
+
+if TYPE_CHECKING:
+    from semkv_vllm.worker import WorkerSide
+
+log = get_logger("semkv.vllm.worker")
+
+
+class SpanJobs:
+    def __init__(self, worker: WorkerSide, timeout_s: float) -> None:
+        self.worker = worker
+        self.timeout_s = timeout_s
+        self._awaiting: dict[str, tuple[RealizeOp, set[str]]] = {}  # rid -> op, fetches left
+        self._open: dict[str, tuple[RealizeOp, float]] = {}  # rid -> op, its deadline
+
+    def __len__(self) -> int:
+        """Ops not yet reported (0 once every realization has been answered)."""
+        return len(self._open)
+
+    def _stale(self, op: RealizeOp) -> bool:
+        w = self.worker
+        return not all(w._current(c.slots, c.generations) for c in op.copies)
+
+    # -- from the op's arrival to its job --------------------------------------------------
+    def start(self, op: RealizeOp) -> None:
+        self._open[op.request_id] = (op, time.monotonic() + self.timeout_s)
+        if not op.fetches:
+            self._submit(op)
+            return
+        fetcher = self.worker.fetcher
+        if fetcher is None:
+            self.fail(op, "fetch_unavailable")
+            return
+        try:
+            for fetch in op.fetches:
+                fetcher.submit(fetch)
+        except Exception as exc:  # noqa: BLE001 - a failed fetch becomes a recompute
+            self.fail(op, type(exc).__name__)
+            return
+        self._awaiting[op.request_id] = (op, {f.fetch_id for f in op.fetches})
+
+    def _advance_fetches(self, idle: bool) -> None:
+        """Mark landed fetches' slots current; submit the realizations they complete."""
+        w = self.worker
+        if w.fetcher is None or not (self._awaiting or w.fetcher.busy):
+            return
+        try:
+            done, errors = w.fetcher.poll(wait=idle and bool(self._awaiting))
+        except Exception as exc:  # noqa: BLE001 - the shared store failed: recompute them all
+            for op, _ in list(self._awaiting.values()):
+                self.fail(op, type(exc).__name__)
+            self._awaiting.clear()
+            return
+        for fetch in done:
+            ok = not errors.intersection(fetch.slots)
+            for slot, generation in zip(fetch.slots, fetch.generations, strict=True):
+                w.slot_generation[slot] = generation if ok else -1
+            w.stats.inc("fetched_blocks", "landed" if ok else "failed", amount=len(fetch.slots))
+        landed = {f.fetch_id for f in done}
+        for rid, (op, left) in list(self._awaiting.items()):
+            left -= landed
+            if not left:
+                del self._awaiting[rid]
+                self._submit(op)  # a failed fetch leaves its copies stale
+
+    def _submit(self, op: RealizeOp) -> None:
+        w = self.worker
+        stale = self._stale(op)
+        if w.realizer is None or stale:
+            self.fail(op, "stale_slot" if stale else "realization_unavailable")
+            return
+        w.realizer.submit(op)
+
+    # -- every step ------------------------------------------------------------------------
+    def advance(self, finished: set[str], *, idle: bool, wait: bool = False) -> None:
+        """Cancel the aborted, advance fetches and jobs, expire what is past its deadline."""
+        self._cancel(finished)
+        self._advance_fetches(idle)
+        realizer = self.worker.realizer
+        if realizer is not None:
+            for done in realizer.advance(idle=idle, finish=wait):
+                self._finish(done)
+        self._expire()
+
+    def _cancel(self, finished: set[str]) -> None:
+        for rid in finished & self._open.keys():
+            op, _ = self._open.pop(rid)
+            self._awaiting.pop(rid, None)
+            if self.worker.realizer is not None:
+                self.worker.realizer.cancel(rid)
+            self.worker.stats.inc("transfers_cancelled")
+            self.worker._finished_recving.add(rid)  # nothing written; vLLM frees its blocks
+            log.info("realize_cancelled", request_id=rid, blocks=len(op.block_ids))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid, (op, deadline) in list(self._open.items()):
+            if now < deadline:
+                continue
+            self._awaiting.pop(rid, None)
+            if self.worker.realizer is not None:
+                self.worker.realizer.cancel(rid)
+            self.worker.stats.inc("transfer_timeouts")
+            self.fail(op, "deadline")
+
+    # -- the end of one op -----------------------------------------------------------------
+    def _finish(self, done: Realized) -> None:
+        w, op = self.worker, done.op
+        w.stats.observe("realize_seconds", done.seconds)
+        if op.request_id not in self._open:
+            return  # cancelled or expired meanwhile: already reported
+        if done.error is not None:
+            self.fail(op, done.error)
+            return
+        # NOTE: slots are pinned for the realization, but an engine reset unpins everything and
+        # later saves may have rewritten a slot while it was read: then the KV is not the donor's.
+        if op.copies:
+            w.drain_saves()
+            if self._stale(op):
+                self.fail(op, "slot_rewritten")
+                return
+        try:
+            assert w.realizer is not None
+            w.realizer.write(done)
+            for kv in w.kv_caches.values():
+                w._floor(op.kv_floor, kv, op.block_ids)
+        except Exception as exc:  # noqa: BLE001
+            self.fail(op, type(exc).__name__)
+            return
+        del self._open[op.request_id]
+        w._loaded[op.request_id] = len(op.block_ids)
+        w._recomputed[op.request_id] = len(done.recomputed)
+        w.stats.inc("loaded_blocks", amount=len(op.block_ids))
+        w._finished_recving.add(op.request_id)
+
+    def fail(self, op: RealizeOp, why: str) -> None:
+        w = self.worker
+        self._open.pop(op.request_id, None)
+        w._invalid_blocks.update(op.block_ids)
+        w._failed.add(op.request_id)
+        w._loaded.pop(op.request_id, None)
+        w.stats.inc("materialize_failed")
+        w.stats.inc("invalid_blocks", amount=len(op.block_ids))
+        w._finished_recving.add(op.request_id)
+        log.warning("realize_failed", request_id=op.request_id, blocks=len(op.block_ids),
+                    why=why)
