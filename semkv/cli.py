@@ -1,17 +1,28 @@
-"""The ``semkv`` command line: plugins, config, model-path, kv-cache-bytes, bench."""
+"""The ``semkv`` command line: plugins, config, model-path, kv-cache-bytes, and plugins' commands.
+
+The core's own commands need no engine. Plugins add theirs through the ``register_commands``
+hook (``semkv.hookspecs``): the vLLM adapter (distribution ``semkv-vllm``) adds ``semkv bench``.
+A command that comes with a distribution that is not installed (or not loaded) still parses and
+says which distribution to install (``ADAPTER_COMMANDS``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
+# commands that plugins of semkv's own distributions add -> the distribution to install
+ADAPTER_COMMANDS = {"bench": "semkv-vllm", "calibrate": "semkv-vllm"}
+_MISSING = "missing_command"  # set on the placeholder of a command no loaded plugin adds
 
-def _cmd_plugins(_args: argparse.Namespace) -> int:
-    from semkv.plugins import plugin_versions
 
-    print(json.dumps(plugin_versions(), indent=2))
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from semkv.plugins import plugin_commands, plugin_versions
+
+    print(json.dumps(plugin_commands() if args.commands else plugin_versions(), indent=2))
     return 0
 
 
@@ -75,61 +86,50 @@ def _add_kv_cache_bytes(sub: argparse._SubParsersAction) -> None:  # type: ignor
     cmd.set_defaults(func=_cmd_kv_cache_bytes)
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def _cmd_missing(args: argparse.Namespace) -> int:
+    """A command no loaded plugin adds: which distribution to install, and why it is missing."""
+    import importlib.metadata
 
-    from semkv.bench import preset, run_bench
+    from semkv import plugins
 
+    command = getattr(args, _MISSING)
+    dist = ADAPTER_COMMANDS[command]
+
+    def say(line: str) -> None:
+        print(f"semkv {command}: {line}", file=sys.stderr)
+
+    say(f"this command comes with the vLLM adapter; install it: pip install {dist}")
     try:
-        config = preset(args.preset, arms=tuple(args.arms) if args.arms else None,
-                        kinds=tuple(args.kinds) if args.kinds else None,
-                        clusters_per_type=args.clusters, target_tokens=args.target_tokens,
-                        max_tokens=args.max_tokens, concurrency=args.concurrency,
-                        seed=args.seed, cores=args.cores)
-    except ValueError as exc:
-        print(f"semkv bench: {exc}", file=sys.stderr)
+        version = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
         return 2
-    from semkv.eval import WorkloadSizeError
-
-    out = Path(args.out or f"bench-results/bench-{config.preset}")
-    try:
-        result = run_bench(config, out, show_progress=not args.no_progress,
-                           plots=not args.no_plots,
-                           describe=lambda arm: print(f"semkv bench: arm {arm}", file=sys.stderr))
-    except WorkloadSizeError as exc:  # before any engine starts: the corpora are too small
-        print(f"semkv bench: {exc}", file=sys.stderr)
-        return 2
-    print((out / "bench.md").read_text())
-    print(f"raw JSON: {out / 'bench.json'}; plots: {', '.join(result['plots']) or 'none'}")
-    return 0
+    broken = plugins.load_errors()
+    if plugins.excluded(dist):
+        say(f"{dist} {version} is installed, but SEMKV_LOAD_PLUGINS="
+            f"{os.environ.get('SEMKV_LOAD_PLUGINS', '')!r} leaves its plugin out")
+    elif broken:
+        for plugin, why in broken.items():
+            say(f"plugin {plugin!r} failed to load ({why})")
+    else:
+        say(f"the installed {dist} {version} does not add it (pip install -U {dist})")
+    return 2
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    bench = sub.add_parser(
-        "bench", help="speed and quality of every mode and provider on the vLLM CPU engine")
-    bench.add_argument("--preset", default="quick",
-                       help="quick (9 min measured on 2 shared cores), full (est. 20-30 min) or "
-                            "realized (realized spans beside the exact tier, est. 11-20 min)")
-    bench.add_argument("--arms", nargs="+", help="override the preset's arms (see semkv.bench)")
-    bench.add_argument("--kinds", nargs="+", help="override the preset's cluster kinds")
-    bench.add_argument("--clusters", type=int, help="clusters per cluster type")
-    bench.add_argument("--target-tokens", type=int, help="approximate prompt length")
-    bench.add_argument("--max-tokens", type=int, help="greedy output tokens per answer")
-    bench.add_argument("--concurrency", type=int, help="requests in flight (throughput phase)")
-    bench.add_argument("--seed", type=int, help="workload seed")
-    bench.add_argument("--cores", help="VLLM_CPU_OMP_THREADS_BIND for every engine (default 0)")
-    bench.add_argument("--out", help="output folder (default bench-results/bench-<preset>)")
-    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
-    bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    bench.set_defaults(func=_cmd_bench)
+def _add_missing(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    for command, dist in ADAPTER_COMMANDS.items():
+        if command not in sub.choices:
+            # add_help=False: `semkv bench --help` also says what to install
+            sub.add_parser(command, add_help=False, help=f"(needs {dist}: pip install {dist})"
+                           ).set_defaults(func=_cmd_missing, **{_MISSING: command})
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="semkv", description="Semantic KV-cache reuse SDK.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("plugins", help="installed providers with versions, as JSON").set_defaults(
-        func=_cmd_plugins
-    )
+    plugins = sub.add_parser("plugins", help="installed providers with versions, as JSON")
+    plugins.add_argument("--commands", action="store_true",
+                         help="the commands plugins add instead, with their distributions")
+    plugins.set_defaults(func=_cmd_plugins)
     config = sub.add_parser("config", help="validate and print the effective config")
     config.add_argument("--extra-config", help="JSON as given in kv_connector_extra_config")
     config.add_argument("--file", help="a YAML config file")
@@ -138,12 +138,18 @@ def build_parser() -> argparse.ArgumentParser:
         "model-path", help="local folder of the converted bundled model (converts if missing)"
     ).set_defaults(func=_cmd_model_path)
     _add_kv_cache_bytes(sub)
-    _add_bench(sub)
+    from semkv.plugins import add_commands
+
+    add_commands(sub)  # every plugin's register_commands hook, after the core's own
+    _add_missing(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not hasattr(args, _MISSING):  # a missing command's arguments are not checked
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args.func(args))
 
 

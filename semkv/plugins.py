@@ -1,4 +1,4 @@
-"""The plugin host: loads ``semkv`` entry points and resolves providers by name.
+"""The plugin host: loads ``semkv`` entry points, resolves providers by name, adds commands.
 
 ``SEMKV_LOAD_PLUGINS`` (comma-separated entry-point or distribution names) restricts what
 loads; set it empty to load no external plugin at all.
@@ -14,12 +14,18 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import threading
+from typing import TYPE_CHECKING
 
 import pluggy
 
 from semkv import hookspecs
 from semkv.log import get_logger
 from semkv.provider import DonorProvider
+
+if TYPE_CHECKING:
+    import argparse
+
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 GROUP = "semkv"
 ALLOW_FAULT_INJECTION = "SEMKV_ALLOW_FAULT_INJECTION"
@@ -65,17 +71,27 @@ def plugin_manager() -> pluggy.PluginManager:
                 if not _allowed(ep) or pm.get_plugin(ep.name) is not None:
                     continue
                 try:
-                    module = ep.load()
+                    pm.register(ep.load(), name=ep.name)  # a hook of the wrong shape raises
                 except Exception as exc:  # noqa: BLE001 - one broken plugin must not hide the rest
                     _broken[ep.name] = f"{type(exc).__name__}: {exc}"
                     log.warning("plugin_failed_to_load", plugin=ep.name, error=_broken[ep.name])
                     continue
-                pm.register(module, name=ep.name)
                 _dists[ep.name] = ep.dist
             _manager = pm
         return _manager
 
 
+def load_errors() -> dict[str, str]:
+    """Plugins that could not be loaded (or whose hooks raised): name -> why."""
+    plugin_manager()
+    return dict(_broken)
+
+
+def excluded(distribution: str) -> bool:
+    """``distribution`` has ``semkv`` entry points and ``SEMKV_LOAD_PLUGINS`` leaves them out."""
+    eps = [ep for ep in importlib.metadata.entry_points(group=GROUP)
+           if ep.dist is not None and ep.dist.name == distribution]
+    return bool(eps) and not any(_allowed(ep) for ep in eps)
 
 def providers() -> dict[str, type[DonorProvider]]:
     """Every installed provider, by name."""
@@ -139,6 +155,40 @@ def plugin_versions() -> list[dict[str, str | bool]]:
                 }
             )
     return sorted(rows, key=lambda r: str(r["provider"]))
+
+
+def add_commands(subparsers: Subparsers) -> dict[str, str]:
+    """Every plugin's ``register_commands`` hook into ``subparsers``: command -> plugin name.
+
+    A plugin whose hook raises is skipped (logged, and listed by ``load_errors``): one broken
+    plugin must not take the other commands with it.
+    """
+    added: dict[str, str] = {}
+    for impl in plugin_manager().hook.register_commands.get_hookimpls():
+        before = set(subparsers.choices)
+        try:
+            impl.function(subparsers=subparsers)
+        except Exception as exc:  # noqa: BLE001 - the CLI's own commands must still run
+            _broken[impl.plugin_name] = f"register_commands: {type(exc).__name__}: {exc}"
+            log.warning("plugin_commands_failed", plugin=impl.plugin_name,
+                        error=_broken[impl.plugin_name])
+            continue
+        added.update(dict.fromkeys(sorted(set(subparsers.choices) - before), impl.plugin_name))
+    return added
+
+
+def plugin_commands() -> list[dict[str, str]]:
+    """The ``semkv`` commands plugins add, with the plugin and distribution that brought them."""
+    import argparse
+
+    added = add_commands(argparse.ArgumentParser(prog="semkv").add_subparsers())
+    rows = []
+    for command, plugin_name in sorted(added.items()):
+        dist = _dists.get(plugin_name)
+        rows.append({"command": command, "plugin": plugin_name,
+                     "distribution": dist.name if dist else "",
+                     "version": dist.version if dist else ""})
+    return rows
 
 
 def _reset_for_tests() -> None:

@@ -103,3 +103,35 @@ def test_frontier_presets_validate() -> None:
         preset("frontier", arms=("cold", "disabled"))
     with pytest.raises(ValueError, match="needs the 'cold' arm"):
         preset("frontier", arms=("fp8_floor", "realized:none"))
+
+
+def test_a_row_scores_a_request_against_cold_without_an_engine() -> None:
+    from semkv.bench.frontier import SPAN, planned_requests, row, teacher_scores
+    from semkv.bench.results import Run, Snapshot
+    from semkv.bench.workload import Workload
+
+    wl = Workload(ids={"t": [], "d": []}, kind={"t": "multi_passage_rag"},
+                  negative={"t": False}, donor_of={"t": "d"}, true_donor={"t": True},
+                  targets=["t"], donors=["d"])
+    cold = Run(ttft_s=2.0, e2e_s=2.5, output=[1, 2, 3, 4], summary={}, delta=Snapshot(),
+               prompt_tokens=100)
+    run = Run(ttft_s=0.5, e2e_s=1.0, output=[1, 2, 9, 9],
+              summary={"provenance": "request_only_semantic_reuse",
+                       "span": {"donors": 2, "segments": 3}},
+              delta=Snapshot({f"{SPAN}:copied": 60.0, f"{SPAN}:computed": 20.0,
+                              f"{SPAN}:recomputed": 5.0}), prompt_tokens=100)
+    cold_dists: list[dict[int, float] | None] = [
+        {1: -0.1, 5: -2.5}, {2: -0.1, 5: -2.5}, {3: -0.5, 9: -0.6}, {4: -0.1, 5: -2.5}]
+    dists: list[dict[int, float] | None] = [{1: -0.1, 5: -2.5}, {2: -0.3, 5: -1.5}, None,
+                                            {4: -0.1, 5: -2.5}]
+    teacher = teacher_scores(dists, cold_dists, [1, 2, 3, 4])
+    assert teacher["scored_positions"] == 3 and teacher["kl_mean"] > 0
+    assert teacher["logprob_delta"] == pytest.approx(-0.2 / 3)
+    r = row("t", wl, "realized:none", run, cold, cold_dists, teacher, 0.3)
+    assert r["served"] and r["donor_tokens"] == 60 and r["donor_fraction"] == 0.6
+    assert r["computed_in_span"] == 20 and r["recomputed"] == 5 and r["span_donors"] == 2
+    assert r["speedup"] == 4.0 and not r["exact_match"] and r["first_divergence"] == 2
+    assert r["cold_margin_at_divergence"] == pytest.approx(0.1)
+    # one donor and the cold request, then per strategy a request and its teacher forcing,
+    # and the same for the fp8 floor
+    assert planned_requests(preset("frontier"), wl, ("cold", "fp8_floor", "realized:none")) == 6

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from semkv.bench.config import ARMS, preset
-from semkv.bench.engine import Run, Snapshot
 from semkv.bench.report import markdown, plots
-from semkv.bench.runner import ArmResult, Workload
+from semkv.bench.results import ArmResult, Run, Snapshot
 from semkv.bench.summary import build_rows, percentile, summarize_arm
 from semkv.bench.targets import check_targets
+from semkv.bench.workload import Workload
 from semkv.cli import main
 
 LOADED = "vllm:semkv_loaded_tokens"

@@ -88,6 +88,22 @@ ARMS: dict[str, Arm] = {
 }
 
 
+# The frontier runner's arms (``runner="frontier"``): one engine, every arm a request option
+# (``semkv.request_options``). ``cold``: lookup and saving off; ``fp8_floor``: the target's own
+# KV loaded back through fp8; ``realized:*``: the recompute option laid over the engine's.
+COLD, FLOOR = "cold", "fp8_floor"
+STRATEGIES: dict[str, dict[str, Any]] = {
+    "realized:none": {"strategy": "none"},
+    "realized:first_k16": {"strategy": "first_k", "first_k": 16},
+    "realized:blend15": {"strategy": "blend", "fraction": 0.15},
+    "realized:blend30": {"strategy": "blend", "fraction": 0.30},
+    "realized:first_k16+blend15": {"strategy": "first_k_blend", "first_k": 16,
+                                   "fraction": 0.15},
+    "realized:blend50": {"strategy": "blend", "fraction": 0.50},
+}
+FRONTIER_ARMS = (COLD, FLOOR, *STRATEGIES)
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     preset: str
@@ -103,7 +119,7 @@ class BenchConfig:
     cores: str = "0"  # VLLM_CPU_OMP_THREADS_BIND for every engine
     extra: dict[str, Any] = field(default_factory=dict)
     # "engines": one engine per arm (ARMS); "frontier": one engine, arms are request options
-    # (semkv.bench.frontier.FRONTIER_ARMS)
+    # (FRONTIER_ARMS)
     runner: str = "engines"
 
     @property
@@ -136,8 +152,6 @@ class BenchConfig:
             raise ValueError("concurrency, max_tokens and clusters_per_type must be >= 1")
 
     def _validate_frontier(self) -> None:
-        from semkv.bench.frontier import COLD, FRONTIER_ARMS, STRATEGIES
-
         unknown = [a for a in self.arms if a not in FRONTIER_ARMS]
         if unknown:
             raise ValueError(f"unknown frontier arm(s) {unknown}; known: {list(FRONTIER_ARMS)}")
@@ -187,7 +201,7 @@ PRESETS: dict[str, BenchConfig] = {
         kinds=_REALIZED_KINDS, clusters_per_type=2, target_tokens=768, max_tokens=32,
         concurrency=1),
     # The quality-vs-recompute frontier of realized spans (issue #17): one engine, every arm a
-    # request option (semkv.bench.frontier), 16 targets per kind at ~1K tokens; both cores.
+    # request option (FRONTIER_ARMS), 16 targets per kind at ~1K tokens; both cores.
     "frontier": BenchConfig(
         preset="frontier", arms=_FRONTIER_ARMS, kinds=_FRONTIER_KINDS, clusters_per_type=16,
         target_tokens=1024, max_tokens=32, concurrency=1, runner="frontier", cores="0-1"),

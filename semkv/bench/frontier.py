@@ -1,28 +1,10 @@
-"""The quality-vs-recompute frontier of realized spans, on one engine (``--preset frontier``).
+"""Rows of the quality-vs-recompute frontier of realized spans (``--preset frontier``).
 
-Every arm is a request option (``semkv.request_options``), not an engine: per target the
-donors are stored once and every arm's request sees the same store, engine and cores, side by
-side. The engine runs ``materialize_semantic`` with the verified tier, realized spans, MinHash
-discovery (LSH threshold 0.1, as ``materialize_realized:minhash``) and ``request_options``.
-
-Per reuse target (the store emptied first; vLLM's prefix cache reset before every request, so
-all reuse is semkv's):
-
-1. *donors*: each labelled donor served with lookup off (stored); its answer is the
-   response-cache baseline;
-2. *cold*: the target with lookup and saving off: the reference answer and TTFT; then the
-   cold answer teacher forced through a cold prefill (top-``TOP`` log-probs per position);
-3. *realized:<strategy>*: the target realized under the arm's recompute strategy: answer,
-   TTFT, span counts; then the cold answer teacher forced under the same strategy
-   (``reuse_until`` keeps every answer position vLLM's, so each has its log-probs);
-   after the first arm the target runs again: a local prefix hit would mean a realized block
-   became prefix-cache state (REQUEST_ONLY broken);
-4. *fp8_floor*: the target stored as its own donor, then served and teacher forced with
-   ``kv_floor: fp8_e4m3``: its own KV rounded through fp8, the floor operators accept.
-
-Negative controls: donors stored (the decoy of a same-topic negative, plus one donor of a
-reuse target of another cluster), cold, then one request under the first arm: any non-exact
-reuse is a false positive.
+The engine loop that produces the requests is the vLLM adapter's (``semkv_vllm.bench.frontier``,
+which documents the protocol); this module is the engine-free part: which donors a target is
+labelled with, what a request costs the run, and the row of one request scored against the cold
+run of the same prompt (greedy agreement, ROUGE-L, per-position KL from cold on the teacher
+forced cold answer, tokens copied / computed / recomputed, TTFT).
 
 NOTE: rows hold counts, times and scores only, never token ids or text.
 """
@@ -30,46 +12,17 @@ NOTE: rows hold counts, times and scores only, never token ids or text.
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
-from semkv.bench.config import Arm, BenchConfig
-from semkv.bench.engine import Run, answer_distributions, generate, open_engine
-from semkv.bench.runner import Workload
+from semkv.bench.config import FLOOR, STRATEGIES, BenchConfig
+from semkv.bench.results import Run
+from semkv.bench.workload import Workload
 from semkv.research.quality import coarse_kl, first_divergence, rouge_l, top_margin
 
 TOP = 20  # log-probs per position (vLLM's default max_logprobs)
 NEAR_TIE = 0.25  # nats: a greedy flip where cold's top-1 minus top-2 is below this is a tie
-COLD, FLOOR = "cold", "fp8_floor"
-OFF = {"lookup": False, "save": False}
-# arm -> its recompute option (strategy fields laid over the engine's)
-STRATEGIES: dict[str, dict[str, Any]] = {
-    "realized:none": {"strategy": "none"},
-    "realized:first_k16": {"strategy": "first_k", "first_k": 16},
-    "realized:blend15": {"strategy": "blend", "fraction": 0.15},
-    "realized:blend30": {"strategy": "blend", "fraction": 0.30},
-    "realized:first_k16+blend15": {"strategy": "first_k_blend", "first_k": 16,
-                                   "fraction": 0.15},
-    "realized:blend50": {"strategy": "blend", "fraction": 0.50},
-}
-FRONTIER_ARMS = (COLD, FLOOR, *STRATEGIES)
+OFF = {"lookup": False, "save": False}  # the cold arm's request options
 SPAN = "vllm:semkv_span_tokens"
-Tick = Callable[[str, int], Any] | None
-
-
-def engine_arm(config: BenchConfig, donors_per_target: int) -> Arm:
-    from semkv.kv_sizing import bundled_kv_cache_bytes
-
-    # one target's donors and the target itself, whole prompts, in the store at once
-    store = bundled_kv_cache_bytes(max_model_len=config.max_model_len,
-                                   max_num_seqs=donors_per_target + 2,
-                                   block_size=config.block_size)
-    extra = {"semantic_mode": "materialize_semantic", "provider": "minhash",
-             "semantic_tiers": ["verified"], "realize_spans": True, "request_options": True,
-             "donor_store_bytes": store, "provider_config": {"threshold": 0.1}}
-    return Arm(name="frontier", mode="materialize_semantic", provider="minhash", extra=extra,
-               commit_policy=True)
 
 
 def donors_of(wl: Workload, target: str) -> list[str]:
@@ -78,12 +31,13 @@ def donors_of(wl: Workload, target: str) -> list[str]:
     return listed or ([one] if one else [])
 
 
-def _served(run: Run) -> bool:
+def served(run: Run) -> bool:
+    """The request was served from a realized span (request-only semantic reuse)."""
     return run.summary.get("provenance") == "request_only_semantic_reuse"
 
 
-def _teacher(dists: list[dict[int, float] | None], cold: list[dict[int, float] | None],
-             answer: list[int]) -> dict[str, Any]:
+def teacher_scores(dists: list[dict[int, float] | None], cold: list[dict[int, float] | None],
+                   answer: list[int]) -> dict[str, Any]:
     """KL from cold per position and the cold answer's log-likelihood, where both scored."""
     kls, lls, cold_lls = [], [], []
     for tok, d, c in zip(answer, dists, cold, strict=True):
@@ -100,9 +54,10 @@ def _teacher(dists: list[dict[int, float] | None], cold: list[dict[int, float] |
             else None}
 
 
-def _row(target: str, wl: Workload, arm: str, run: Run, cold: Run,
-         cold_dists: list[dict[int, float] | None], teacher: dict[str, Any] | None,
-         response_cache: float | None) -> dict[str, Any]:
+def row(target: str, wl: Workload, arm: str, run: Run, cold: Run,
+        cold_dists: list[dict[int, float] | None], teacher: dict[str, Any] | None,
+        response_cache: float | None) -> dict[str, Any]:
+    """One request's row: counts, times and scores against ``cold`` (the same prompt, cold)."""
     div = first_divergence(run.output, cold.output)
     diverged = run.output != cold.output
     margin = None
@@ -116,7 +71,7 @@ def _row(target: str, wl: Workload, arm: str, run: Run, cold: Run,
         "target": target, "kind": wl.kind[target], "negative": wl.negative[target], "arm": arm,
         "prompt_tokens": prompt, "provenance": run.summary.get("provenance"),
         "tier": run.summary.get("tier"), "fallback_reason": run.summary.get("fallback_reason"),
-        "served": _served(run) or (arm == FLOOR and loaded > 0),
+        "served": served(run) or (arm == FLOOR and loaded > 0),
         "donor_tokens": donor_tokens, "donor_fraction": donor_tokens / prompt if prompt else 0.0,
         "computed_in_span": int(run.delta.get(f"{SPAN}:computed")),
         "span_donors": (run.summary.get("span") or {}).get("donors"),
@@ -132,95 +87,11 @@ def _row(target: str, wl: Workload, arm: str, run: Run, cold: Run,
     }
 
 
-class FrontierRun:
-    """One engine; ``target`` runs every phase for one prompt and returns its rows."""
-
-    def __init__(self, llm: Any, config: BenchConfig, wl: Workload, arms: tuple[str, ...],
-                 tick: Tick = None) -> None:
-        self.llm, self.config, self.wl, self.tick = llm, config, wl, tick
-        self.strategies = [a for a in arms if a in STRATEGIES]
-        self.floor = FLOOR in arms
-        self.request_only_violations = 0
-
-    def _gen(self, ids: list[int], options: dict[str, Any] | None, max_tokens: int) -> Run:
-        self.llm.reset_prefix_cache()
-        run = generate(self.llm, ids, max_tokens, options)
-        if self.tick:
-            self.tick("requests", 1)
-        return run
-
-    def _teach(self, ids: list[int], answer: list[int], options: dict[str, Any],
-               ) -> list[dict[int, float] | None]:
-        self.llm.reset_prefix_cache()
-        dists, _ = answer_distributions(self.llm, ids, answer, top=TOP,
-                                        options={**options, "reuse_until": len(ids) - 1})
-        return dists
-
-    def _store(self, donor_ids: list[str]) -> list[list[int]]:
-        """Empty the store, serve and store the donors (their answers: the response cache)."""
-        self.llm.reset_prefix_cache(reset_connector=True)
-        return [self._gen(self.wl.ids[d], {"lookup": False}, self.config.max_tokens).output
-                for d in donor_ids]
-
-    def target(self, t: str, extra_donors: list[str]) -> list[dict[str, Any]]:
-        wl, n = self.wl, self.config.max_tokens
-        ids = wl.ids[t]
-        answers = self._store(donors_of(wl, t) + extra_donors)
-        cold = self._gen(ids, OFF, n)
-        rc = max((rouge_l(a, cold.output) for a in answers), default=None)
-        if wl.negative[t]:
-            arm = self.strategies[0]
-            run = self._gen(ids, {"recompute": STRATEGIES[arm]}, n)
-            return [_row(t, wl, arm, run, cold, [], None, rc)]
-        cold_dists = self._teach(ids, cold.output, OFF)
-        rows = [_row(t, wl, COLD, cold, cold, cold_dists,
-                     _teacher(cold_dists, cold_dists, cold.output), rc)]
-        for i, arm in enumerate(self.strategies):
-            option = {"recompute": STRATEGIES[arm]}
-            run = self._gen(ids, option, n)
-            if i == 0 and _served(run):  # REQUEST_ONLY: nothing realized is prefix-cache state
-                again = generate(self.llm, ids, 1, OFF)
-                self.request_only_violations += int(
-                    int(again.summary.get("local_prefix_tokens") or 0) > 0)
-            teacher = _teacher(self._teach(ids, cold.output, option), cold_dists, cold.output)
-            rows.append(_row(t, wl, arm, run, cold, cold_dists, teacher, rc))
-        if self.floor:
-            self._gen(ids, {"lookup": False}, 1)  # the target's own KV, stored
-            floor: dict[str, Any] = {"kv_floor": "fp8_e4m3"}
-            run = self._gen(ids, floor, n)
-            teacher = _teacher(self._teach(ids, cold.output, floor), cold_dists, cold.output)
-            rows.append(_row(t, wl, FLOOR, run, cold, cold_dists, teacher, rc))
-        return rows
-
-
 def planned_requests(config: BenchConfig, wl: Workload, arms: tuple[str, ...]) -> int:
+    """Progress-bar total of a frontier run: every request it will send (warm-up aside)."""
     strategies = sum(a in STRATEGIES for a in arms)
     total = 0
     for t in wl.targets:
         total += len(donors_of(wl, t)) + 1
         total += 1 if wl.negative[t] else 2 * strategies + (2 if FLOOR in arms else 0)
     return total
-
-
-def run_frontier(config: BenchConfig, wl: Workload, *, show_progress: bool = True,
-                 ) -> dict[str, Any]:
-    """Every target of ``wl`` through every arm of ``config`` on one engine."""
-    from semkv.bench.runner import progress_bar
-
-    reuse = [t for t in wl.targets if not wl.negative[t]]
-    most = max((len(donors_of(wl, t)) for t in wl.targets), default=1) + 1
-    arm = engine_arm(config, most)
-    rows: list[dict[str, Any]] = []
-    started = time.perf_counter()
-    with open_engine(arm, config, max_num_seqs=1) as llm, \
-            progress_bar(planned_requests(config, wl, config.arms), show_progress) as tick:
-        generate(llm, list(range(100, 164)), 2)  # the first forward of an engine is slow
-        run = FrontierRun(llm, config, wl, config.arms, tick)
-        negatives = [t for t in wl.targets if wl.negative[t]]
-        for t in reuse:
-            rows += run.target(t, [])
-        for i, t in enumerate(negatives):
-            other = donors_of(wl, reuse[i % len(reuse)])[:1] if reuse else []
-            rows += run.target(t, other)
-    return {"rows": rows, "engine": arm.as_dict(), "wall_s": time.perf_counter() - started,
-            "request_only_violations": run.request_only_violations}

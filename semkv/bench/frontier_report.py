@@ -18,7 +18,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from semkv.bench.frontier import COLD, FLOOR, NEAR_TIE, STRATEGIES
+from semkv.bench.config import COLD, FLOOR, STRATEGIES
+from semkv.bench.frontier import NEAR_TIE
 
 GATED_KINDS = ("cross_instruction", "cross_instruction_task_first", "multi_passage_rag")
 ROUGE_MIN, RC_MARGIN, DONOR_MIN, SPEEDUP_MIN, LONG_PROMPT = 0.9, 0.2, 0.5, 2.5, 2048

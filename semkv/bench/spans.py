@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from semkv.bench.engine import Run
+from semkv.bench.results import Run
 
 SPAN = "vllm:semkv_span_tokens"
 REALIZE = "vllm:semkv_realize_seconds"

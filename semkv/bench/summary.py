@@ -12,8 +12,9 @@ import statistics
 from collections import Counter
 from typing import Any
 
-from semkv.bench.runner import ArmResult, Workload
+from semkv.bench.results import ArmResult
 from semkv.bench.spans import EXACT_ARM, span_by_kind, span_fields
+from semkv.bench.workload import Workload
 from semkv.research.quality import first_divergence, rouge_l, token_f1
 
 LOADED = "vllm:semkv_loaded_tokens"

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from semkv.bench.config import ARMS, Arm, BenchConfig
-from semkv.bench.engine import (
-    Run,
+from semkv.bench.results import ArmResult
+from semkv.bench.workload import Workload
+from semkv_vllm.bench.engine import (
     answer_logprobs,
     generate,
     generate_batch,
@@ -35,62 +35,6 @@ from semkv.bench.engine import (
 )
 
 Progress = Callable[[str, int], Any]
-
-
-@dataclass
-class ArmResult:
-    """Raw runs of one arm, keyed by prompt id (outputs stay in memory only)."""
-
-    arm: Arm
-    miss: dict[str, Run] = field(default_factory=dict)
-    donors: dict[str, Run] = field(default_factory=dict)
-    reuse: dict[str, Run] = field(default_factory=dict)
-    vllm_hit: dict[str, Run] = field(default_factory=dict)  # disabled only
-    logprob: dict[str, dict[int, float]] = field(default_factory=dict)  # answer position -> lp
-    logprob_summary: dict[str, dict[str, Any]] = field(default_factory=dict)
-    donor_store_bytes: float = 0.0
-    batch_wall_s: float = 0.0
-    batch: dict[str, Run] = field(default_factory=dict)
-    engine_start_s: float = 0.0
-
-
-@dataclass
-class Workload:
-    """Token ids of every prompt plus its labels (text is dropped once tokenized)."""
-
-    ids: dict[str, list[int]]
-    kind: dict[str, str]
-    negative: dict[str, bool]
-    donor_of: dict[str, str | None]  # target -> true donor, or the decoy of a same-topic negative
-    true_donor: dict[str, bool]
-    targets: list[str]
-    donors: list[str]
-    # target -> every donor it is labelled to reuse from (several for multi_passage_rag)
-    donor_ids: dict[str, list[str]] = field(default_factory=dict)
-
-
-def load_workload(config: BenchConfig) -> Workload:
-    from transformers import AutoTokenizer
-
-    from semkv.bundled_model import ensure_model
-    from semkv.eval import build_workload
-
-    tok = AutoTokenizer.from_pretrained(str(ensure_model()))
-    wl = build_workload(config.seed, clusters_per_type=config.clusters_per_type,
-                        target_tokens=config.target_tokens, tokenizer=tok.encode,
-                        kinds=config.kinds)
-    prompts = [*wl.donors, *wl.targets]
-    return Workload(
-        ids={p.prompt_id: list(p.token_ids or tok.encode(p.text)) for p in prompts},
-        kind={p.prompt_id: p.kind.value for p in prompts},
-        negative={p.prompt_id: p.kind.is_negative for p in prompts},
-        donor_of={t.prompt_id: t.true_donor_id or t.metadata.get("decoy_donor_id")
-                  for t in wl.targets},
-        true_donor={t.prompt_id: t.true_donor_id is not None for t in wl.targets},
-        targets=[t.prompt_id for t in wl.targets],
-        donors=[d.prompt_id for d in wl.donors],
-        donor_ids={t.prompt_id: list(t.metadata.get("donor_ids") or []) for t in wl.targets},
-    )
 
 
 def _warm_up(llm: Any) -> None:

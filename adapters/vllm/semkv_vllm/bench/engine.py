@@ -9,6 +9,8 @@ Per request the engine-confirmed facts come from the connector itself: the per-r
 (``kv_transfer_params["semkv"]``) and deltas of the ``vllm:semkv_*`` series around the request
 (loaded tokens are counted by the worker: a hit is never inferred from latency).
 
+The records it fills (``Run``, ``Snapshot``) are engine-free (``semkv.bench.results``).
+
 NOTE: token ids and text never leave this module in a result; only counts, times and scores.
 """
 
@@ -19,18 +21,14 @@ import gc
 import os
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from semkv.bench.config import Arm, BenchConfig
+from semkv.bench.results import Run, Snapshot
 
 CONNECTOR = {"kv_connector": "SemanticKVConnector",
              "kv_connector_module_path": "semkv_vllm.connector",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
-# Histogram sums: semkv's own time (scheduler lookups + admission; worker saves and loads;
-# span realizations' compute, which the request waits for before its first token).
-_SECONDS = ("vllm:semkv_lookup_seconds", "vllm:semkv_save_seconds", "vllm:semkv_load_seconds",
-            "vllm:semkv_realize_seconds")
 
 
 def configure_process(cores: str) -> None:
@@ -40,23 +38,6 @@ def configure_process(cores: str) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("SEMKV_LOG_LEVEL", "WARNING")
-
-
-@dataclass
-class Snapshot:
-    """``vllm:semkv_*`` counters (by name and label) and histogram sums/counts at one moment."""
-
-    values: dict[str, float] = field(default_factory=dict)
-
-    def __sub__(self, other: Snapshot) -> Snapshot:
-        keys = set(self.values) | set(other.values)
-        return Snapshot({k: self.values.get(k, 0.0) - other.values.get(k, 0.0) for k in keys})
-
-    def get(self, name: str) -> float:
-        return self.values.get(name, 0.0)
-
-    def semkv_seconds(self) -> float:
-        return sum(self.get(f"{n}:sum") for n in _SECONDS)
 
 
 def snapshot(llm: Any) -> Snapshot:
@@ -102,18 +83,6 @@ def open_engine(arm: Arm, config: BenchConfig, *, max_num_seqs: int) -> Iterator
             llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-
-
-@dataclass
-class Run:
-    """One request: times, output length, the connector's summary and metric deltas."""
-
-    ttft_s: float
-    e2e_s: float
-    output: list[int]  # kept in memory for scoring only, never written out
-    summary: dict[str, Any]
-    delta: Snapshot
-    prompt_tokens: int
 
 
 def _params(max_tokens: int, options: dict[str, Any] | None = None, **kw: Any) -> Any:
