@@ -36,6 +36,11 @@ input of research's FLOPs estimate) and the copied positions computed through ev
 
 NOTE: ``recompute_steps`` is the same computation one layer per step: the engine's worker
 advances it between engine steps on its own main thread (``semkv_vllm.realization``).
+NOTE: ``max_tokens`` runs each layer over its positions in chunks of at most that many, in
+increasing position order: exactly the unchunked computation (a token attends only to positions
+at or before its own, which earlier chunks of the same layer have already written), with a
+tokens x context mask and activations bounded by the chunk. The engine passes vLLM's
+``max_num_batched_tokens``; research keeps None (a layer at once).
 """
 
 from __future__ import annotations
@@ -151,10 +156,11 @@ def rank(score: torch.Tensor, lo: int, candidates: Sequence[int], take: int) -> 
 
 def recompute(runner: LayerRunner, cache: KVCache, positions: range, copied: Runs,
               token_ids: Mapping[int, int], strategy: RecomputeStrategy, prompt_tokens: int,
-              *, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Recomputed:
+              *, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+              max_tokens: int | None = None) -> Recomputed:
     """Compute the gaps of ``positions`` and the copied positions ``strategy`` selects."""
     steps = recompute_steps(runner, cache, positions, copied, token_ids, strategy,
-                            prompt_tokens, reduce=reduce)
+                            prompt_tokens, reduce=reduce, max_tokens=max_tokens)
     while True:
         try:
             next(steps)
@@ -167,17 +173,21 @@ def recompute_steps(runner: LayerRunner, cache: KVCache, positions: range, copie
                     token_ids: Mapping[int, int], strategy: RecomputeStrategy,
                     prompt_tokens: int, *,
                     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                    max_tokens: int | None = None,
                     ) -> Generator[int, None, Recomputed]:
-    """``recompute`` one layer at a time: yields the tokens each layer computed; returns the
-    result. The engine's worker advances it between steps on its main thread (no thread runs
-    beside vLLM's forward); running it to the end is exactly ``recompute``."""
+    """``recompute`` one layer call at a time (one layer over at most ``max_tokens``
+    positions): yields the tokens each call computed; returns the result. The engine's worker
+    advances it between steps on its main thread (no thread runs beside vLLM's forward);
+    running it to the end is exactly ``recompute``."""
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError("max_tokens must be >= 1")
     copied_set = set(copied_positions(copied))
     if not copied_set <= set(positions):
         raise ValueError("a copied run lies outside the realized positions")
     gaps = [p for p in positions if p not in copied_set]
     if strategy.kind.probes and len(positions):
         return (yield from _blend(runner, cache, positions, copied, sorted(copied_set), gaps,
-                                  token_ids, strategy, prompt_tokens, reduce))
+                                  token_ids, strategy, prompt_tokens, reduce, max_tokens))
     chosen = set(gaps)
     if strategy.kind.forces_first_k:
         chosen |= set(first_k_positions(copied, strategy.first_k))
@@ -185,40 +195,52 @@ def recompute_steps(runner: LayerRunner, cache: KVCache, positions: range, copie
     layers = range(runner.num_layers)
     if not at:
         return Recomputed(None, [(layers, [])], [])
-    hidden = yield from _layers(runner, cache, runner.embed([token_ids[p] for p in at]),
-                                torch.tensor(at, dtype=torch.long), layers)
+    hidden = yield from layer_calls(runner, cache, runner.embed([token_ids[p] for p in at]),
+                                    torch.tensor(at, dtype=torch.long), layers, max_tokens)
     return Recomputed(hidden, [(layers, at)], [p for p in at if p in copied_set])
 
 
-def _layers(runner: LayerRunner, cache: KVCache, hidden: torch.Tensor, at: torch.Tensor,
-            layers: range) -> Generator[int, None, torch.Tensor]:
-    """``run_layers`` over ``layers``, one layer per step (the same calls, in the same order)."""
+def layer_calls(runner: LayerRunner, cache: KVCache, hidden: torch.Tensor, at: torch.Tensor,
+                layers: range, max_tokens: int | None = None,
+                ) -> Generator[int, None, torch.Tensor]:
+    """``run_layers`` over ``layers``, one layer and at most ``max_tokens`` of the increasing
+    positions ``at`` per call (one call per step); returns the last layer's hidden states."""
+    n = int(at.numel())
+    step = n if max_tokens is None else max(1, min(max_tokens, n))
     for layer in layers:
-        with torch.no_grad():
-            hidden = runner.run_layers(cache, hidden, at, range(layer, layer + 1))
-        yield int(at.numel())
+        out = []
+        for lo in range(0, n, step):
+            with torch.no_grad():
+                out.append(runner.run_layers(cache, hidden[:, lo:lo + step], at[lo:lo + step],
+                                             range(layer, layer + 1)))
+            yield min(step, n - lo)
+        hidden = out[0] if len(out) == 1 else torch.cat(out, dim=1)
+        del out
     return hidden
 
 
 def _blend(runner: LayerRunner, cache: KVCache, positions: range, runs: Runs,
            copied: list[int], gaps: list[int], token_ids: Mapping[int, int],
            strategy: RecomputeStrategy, prompt_tokens: int,
-           reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+           reduce: Callable[[torch.Tensor], torch.Tensor] | None, max_tokens: int | None,
            ) -> Generator[int, None, Recomputed]:
     lo, hi = positions.start, positions.stop
     probe = min(strategy.probe_layers, runner.num_layers)
     old_k = [cache.keys[layer][0, :, lo:hi].clone() for layer in range(probe)]
     old_v = [cache.values[layer][0, :, lo:hi].clone() for layer in range(probe)]
     everyone = list(positions)
-    hidden = yield from _layers(runner, cache, runner.embed([token_ids[p] for p in everyone]),
-                                torch.arange(lo, hi), range(probe))
+    hidden = yield from layer_calls(runner, cache,
+                                    runner.embed([token_ids[p] for p in everyone]),
+                                    torch.arange(lo, hi), range(probe), max_tokens)
     passes: Passes = [(range(probe), everyone)]
     if probe == runner.num_layers:  # the probe already computed every layer for everyone
         return Recomputed(hidden, passes, copied)
     score = deviation(cache, old_k, old_v, lo, hi, reduce)
+    del old_k, old_v
     forced = sorted(set(first_k_positions(runs, strategy.first_k))) if (
         strategy.kind.forces_first_k) else []
-    free = [p for p in copied if p not in set(forced)]
+    held = set(forced)
+    free = [p for p in copied if p not in held]
     take = max(0, budget(strategy, prompt_tokens, len(copied)) - len(forced))
     top = sorted(set(forced) | set(rank(score, lo, free, take)))
     chosen = sorted(set(gaps) | set(top))
@@ -227,5 +249,7 @@ def _blend(runner: LayerRunner, cache: KVCache, positions: range, runs: Runs,
     if not chosen:
         return Recomputed(None, passes, [])
     index = torch.tensor(chosen, dtype=torch.long)
-    out = yield from _layers(runner, cache, hidden[:, index - lo], index, rest)
+    steps = layer_calls(runner, cache, hidden[:, index - lo], index, rest, max_tokens)
+    del hidden  # every position's probe hidden states: only the chosen ones continue
+    out = yield from steps
     return Recomputed(out, passes, top)

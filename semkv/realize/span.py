@@ -38,17 +38,25 @@ def place(cache: KVCache, rotator: KeyRotator | None, positions: torch.Tensor,
 
     ``deltas`` [T] = target position - donor position per token; any non-zero needs a rotator.
     """
+    for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+        place_layer(cache, layer, rotator, positions, k, v, deltas)
+
+
+def place_layer(cache: KVCache, layer: int, rotator: KeyRotator | None,
+                positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                deltas: torch.Tensor) -> None:
+    """``place`` for one layer (the engine's worker reads and places donor KV layer by layer,
+    so that only one layer's donor K/V is in memory beside the cache)."""
     if positions.numel() and int(positions.max()) >= cache.capacity:
         raise ValueError("a copied position lies past the cache capacity")
     shifted = bool(deltas.any())
     if shifted and rotator is None:
         raise ValueError("a shifted copy needs the model's key rotator")
-    at = positions.to(cache.keys[0].device)
-    for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
-        if shifted:
-            k = rotator.rotate(k, deltas)  # type: ignore[union-attr]
-        cache.keys[layer][0, :, at] = k.to(cache.keys[layer].dtype)
-        cache.values[layer][0, :, at] = v.to(cache.values[layer].dtype)
+    at = positions.to(cache.keys[layer].device)
+    if shifted:
+        keys = rotator.rotate(keys, deltas)  # type: ignore[union-attr]
+    cache.keys[layer][0, :, at] = keys.to(cache.keys[layer].dtype)
+    cache.values[layer][0, :, at] = values.to(cache.values[layer].dtype)
 
 
 def compute(runner: LayerRunner, cache: KVCache, token_ids: Sequence[int],
