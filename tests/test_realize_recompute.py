@@ -172,7 +172,7 @@ def test_probe_layers_are_checked_against_the_model_at_worker_start(monkeypatch)
 
     from semkv.config import ConfigError, SemkvConfig
 
-    runner = SimpleNamespace(num_layers=2, rotator=None,
+    runner = SimpleNamespace(num_layers=2, rotator=None, device=torch.device("cpu"),
                              model=SimpleNamespace(model=SimpleNamespace(layers=[])))
     monkeypatch.setattr(semkv_vllm.models, "runner_for", lambda model: runner)
     layout: object = object()  # only its presence matters before the check

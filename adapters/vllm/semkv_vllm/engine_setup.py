@@ -13,7 +13,7 @@ from semkv.config import ConfigError, SemkvConfig
 from semkv.log import get_logger
 from semkv.lookup import GuardedProvider
 from semkv.provider import ProviderContext
-from semkv.types import Mode
+from semkv.types import Mode, QualityTier
 from semkv_vllm.namespace import namespace_from_vllm_config
 from semkv_vllm.page_layout import PageLayout, backend_writer
 
@@ -62,21 +62,46 @@ def host_memory_available() -> tuple[int, str]:
     return max(available, 0), how
 
 
-def check_store_fits_host(config: SemkvConfig) -> None:
-    """Refuse a donor store larger than the host can give, before any request is taken.
+def realizes_spans(config: SemkvConfig) -> bool:
+    """Does this configuration realize spans (``realize_memory_bytes`` then applies)?"""
+    return (config.semantic_mode is Mode.MATERIALIZE_SEMANTIC and config.realize_spans
+            and QualityTier.VERIFIED in config.semantic_tiers)
 
+
+def check_store_fits_host(config: SemkvConfig, *, realize_on_host: bool | None = None) -> None:
+    """Refuse a donor store, plus the realization's bound where realizations run on the host,
+    larger than the host can give, before any request is taken.
+
+    ``realize_on_host`` (None: read from vLLM's platform): a realization's dense KV lives where
+    the model's weights do; on an accelerator ``realization.check_realize_memory_fits_device``
+    checks ``realize_memory_bytes`` against the device once vLLM has taken its KV cache.
     NOTE: run in the worker role at construction, before the worker allocates the store (the
     scheduler process would see memory the worker already took and refuse a fitting store).
     """
-    if not config.semantic_mode.materializes or config.donor_store != "host":
+    store = (int(config.donor_store_bytes) if config.semantic_mode.materializes
+             and config.donor_store == "host" else 0)
+    realize = 0
+    if realizes_spans(config):
+        if realize_on_host is None:
+            from vllm.platforms import current_platform
+
+            realize_on_host = current_platform.is_cpu()
+        realize = int(config.realize_memory_bytes) if realize_on_host else 0
+    if store + realize == 0:
         return
-    wanted = int(config.donor_store_bytes)
     available, how = host_memory_available()
-    if wanted > available:
+    if store > available:
         raise ConfigError(
-            f"donor_store_bytes={wanted} ({wanted / 2**30:.2f} GiB) is more than this host can "
+            f"donor_store_bytes={store} ({store / 2**30:.2f} GiB) is more than this host can "
             f"give the donor store: {available / 2**30:.2f} GiB available ({how}); lower "
             f"donor_store_bytes (it is per worker, beside vLLM's own KV cache)")
+    if store + realize > available:
+        raise ConfigError(
+            f"realize_memory_bytes={realize} ({realize / 2**30:.2f} GiB) on top of "
+            f"donor_store_bytes={store} ({store / 2**30:.2f} GiB) is more than this host can "
+            f"give: {available / 2**30:.2f} GiB available ({how}); lower realize_memory_bytes "
+            f"(one realization's working set per worker: longer spans fall back) or "
+            f"donor_store_bytes")
 
 
 def build_provider(config: SemkvConfig, vllm_config: VllmConfig,

@@ -7,17 +7,24 @@ Protocol (driven by ``WorkerSide``):
   engine's cache-write kernel, and which paged cache belongs to which decoder layer. None, with
   the reason logged, when the model or the layout is not supported: the scheduler is told and
   answers such requests ``unsupported_request``. With ``config``, ``recompute_probe_layers`` is
-  checked against the model's layers there (``ConfigError`` naming the key).
-- ``submit(op)`` in ``start_load_kv``: the op becomes a job. Its first step reads the request's
-  local prefix blocks and the pinned donor-store slots into a dense ``KVCache`` of the span and
-  places the copies (keys re-rotated); every later step runs one layer of the span's gaps plus
-  the copied tokens the op's recompute strategy selects (``semkv.realize.recompute_steps``, the
-  code research's strategies run). The request waits in WAITING_FOR_REMOTE_KVS meanwhile.
+  checked against the model's layers there, and ``realize_memory_bytes`` against the device's
+  free memory when the model runs on an accelerator (``ConfigError`` naming the key).
+- ``submit(op)`` in ``start_load_kv``: the op becomes a job. Its working set
+  (``semkv.realize.memory``, the same estimate the scheduler refused over-bound plans with) is
+  checked against ``realize_memory_bytes`` before anything is allocated; over it the job fails
+  (``RealizationOverBudget``: the span is reported invalid, vLLM recomputes it). Its first
+  steps read the request's local prefix blocks and the pinned donor-store slots into a dense
+  ``KVCache`` of the span and place the copies (keys re-rotated), one layer per step; every
+  later step runs one layer over at most ``op.max_chunk_tokens`` (vLLM's
+  ``max_num_batched_tokens``) of the span's gaps plus the copied tokens the op's recompute
+  strategy selects (``semkv.realize.recompute_steps``, the code research's strategies run).
+  The request waits in WAITING_FOR_REMOTE_KVS meanwhile.
 - ``advance(idle=...)`` in ``get_finished`` (main thread, after the step's forward): advances
-  the oldest jobs by ``TOKEN_LAYERS_PER_STEP`` token-layers (at least one layer), or every job
-  to its end in a step that scheduled no token; returns the finished ones, which the worker
+  the oldest jobs by ``TOKEN_LAYERS_PER_STEP`` token-layers (at least one layer call), or every
+  job to its end in a step that scheduled no token; returns the finished ones, which the worker
   writes into the request's blocks and reports received, or reports invalid when they failed
   (vLLM recomputes them under ``kv_load_failure_policy: recompute``).
+- ``cancel(request_id)``: drops the request's job unfinished (an aborted request).
 
 NOTE: nothing runs beside vLLM's forward. A background thread did first, and failed twice: (1)
 the engine's loop is Python and holds the GIL between its torch calls, so the thread waited up
@@ -27,7 +34,8 @@ forward, concurrently, and the worker died once with SIGSEGV. Stepping on the ma
 between forwards has neither problem, keeps tensor-parallel ranks in lockstep (every rank
 advances by the same plan-determined amount, so the projections' all-reduces pair up), and
 bounds what a realization adds to a busy step: ``TOKEN_LAYERS_PER_STEP`` (a fifteenth of
-what one 1,024-token prefill chunk computes in a step).
+what one 1,024-token prefill chunk computes in a step), in whole layer calls of at most one
+chunk each, so a long span never runs a full layer over all its tokens in one step.
 NOTE: the paged blocks are written between steps, before the request can be scheduled again.
 vLLM frees the blocks of a request that finished while waiting for remote KV only after we
 report it received, so no block is ever reused under a realization. The donor slots read are
@@ -44,11 +52,12 @@ from typing import Any
 
 import torch
 
-from semkv.config import SemkvConfig, check_probe_layers
+from semkv.config import ConfigError, SemkvConfig, check_probe_layers
 from semkv.log import get_logger
 from semkv.realize import KVCache
-from semkv.realize.recompute import recompute_steps
-from semkv.realize.span import place
+from semkv.realize.memory import Budget, Geometry, over_budget, working_set
+from semkv.realize.recompute import layer_calls, recompute_steps
+from semkv.realize.span import place_layer
 from semkv_vllm.metadata import RealizeOp
 from semkv_vllm.page_layout import PageLayout
 
@@ -69,6 +78,21 @@ class InjectedRealizationFault(RuntimeError):
     pass
 
 
+class RealizationOverBudget(RuntimeError):
+    """The op's working set is over ``realize_memory_bytes`` (refused before allocating)."""
+
+
+def op_working_set(geometry: Geometry, op: RealizeOp, block_size: int) -> int:
+    """``semkv.realize.memory.working_set`` of an op: the same figure ``span_admission``
+    computes from the plan the op came from (``plan_working_set``)."""
+    return working_set(
+        geometry, span_tokens=op.span_tokens, local_tokens=op.local_tokens,
+        read_rows=op.local_tokens + block_size * sum(len(c.slots) for c in op.copies),
+        computed=len(op.token_positions),
+        probe_layers=op.recompute.probe_layers if op.recompute.kind.probes else 0,
+        chunk_tokens=op.max_chunk_tokens)
+
+
 @dataclass(frozen=True)
 class Realized:
     op: RealizeOp
@@ -76,24 +100,28 @@ class Realized:
     error: str | None
     seconds: float
     recomputed: tuple[int, ...] = ()  # copied positions computed through every layer
+    working_set: int = 0  # its estimated peak bytes (``op_working_set``)
 
 
 @dataclass
 class _Job:
     op: RealizeOp
     steps: Generator[int, None, tuple[KVCache, list[int]]]
+    working_set: int  # estimated peak bytes (op_working_set)
     busy: float = 0.0  # seconds actually spent computing it
 
 
 class SpanRealizer:
     def __init__(self, runner: Any, layout: PageLayout, layer_names: list[str],
-                 kv_caches: dict[str, torch.Tensor], store: dict[str, torch.Tensor]) -> None:
+                 kv_caches: dict[str, torch.Tensor], store: dict[str, torch.Tensor],
+                 memory_bytes: int | None = None) -> None:
         self.runner = runner
         self.layout = layout
         self.layer_names = layer_names  # decoder layer i -> its paged cache's name
         self.kv_caches = kv_caches
         self.store = store
         self._jobs: list[_Job] = []
+        self.memory_bytes = memory_bytes  # realize_memory_bytes (None: unbounded, tests only)
         self.reduce = _tensor_parallel_sum()  # blend ranks by the deviation over all ranks
 
     @classmethod
@@ -114,6 +142,7 @@ class SpanRealizer:
             return None
         if config is not None:
             check_probe_layers(config, runner.num_layers)  # start-up, not per request
+            check_realize_memory_fits_device(config, runner.device)
         names = []
         for layer in runner.model.model.layers:
             name = getattr(layer.self_attn.attn, "layer_name", None)
@@ -121,11 +150,22 @@ class SpanRealizer:
                 log.warning("realization_unavailable", why="a decoder layer has no paged cache")
                 return None
             names.append(name)
-        return cls(runner, layout, names, kv_caches, store)
+        return cls(runner, layout, names, kv_caches, store,
+                   None if config is None else int(config.realize_memory_bytes))
 
     # -- between steps (main thread) -------------------------------------------------------
     def submit(self, op: RealizeOp) -> None:
-        self._jobs.append(_Job(op, self._steps(op)))
+        needed = op_working_set(self.runner.geometry, op, self.layout.block_size)
+        self._jobs.append(_Job(op, self._steps(op, needed), needed))
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop the request's job (queued or running) without finishing it; True if there was
+        one. Nothing is written or reported: the caller decides what the request gets."""
+        jobs = [job for job in self._jobs if job.op.request_id == request_id]
+        for job in jobs:
+            self._jobs.remove(job)
+            job.steps.close()  # releases the job's cache and activations now
+        return bool(jobs)
 
     def advance(self, *, idle: bool = False, finish: bool = False) -> list[Realized]:
         """Advance the oldest jobs by one step's budget (all of them to their end when ``idle``
@@ -152,7 +192,7 @@ class SpanRealizer:
                recomputed: tuple[int, ...], error: str | None) -> Realized:
         self._jobs.remove(job)
         busy = job.busy + time.perf_counter() - started
-        return Realized(job.op, cache, error, busy, recomputed)
+        return Realized(job.op, cache, error, busy, recomputed, job.working_set)
 
     def write(self, realized: Realized) -> None:
         """The span's KV into the request's blocks (main thread, between steps)."""
@@ -169,8 +209,13 @@ class SpanRealizer:
         self._jobs.clear()  # the engine is going away: nothing will read these blocks
 
     # -- one job, step by step -------------------------------------------------------------
-    def _steps(self, op: RealizeOp) -> Generator[int, None, tuple[KVCache, list[int]]]:
+    def _steps(self, op: RealizeOp, needed: int,
+               ) -> Generator[int, None, tuple[KVCache, list[int]]]:
         runner = self.runner
+        why = None if self.memory_bytes is None else over_budget(
+            Budget(runner.geometry, self.memory_bytes, op.max_chunk_tokens), needed)
+        if why is not None:  # before anything is allocated; the scheduler refuses these first
+            raise RealizationOverBudget(why)
         cache: KVCache = runner.empty_cache(op.span_tokens)
         bs = self.layout.block_size
         # One gather per layer for every copy (and one for the local prefix).
@@ -187,23 +232,22 @@ class SpanRealizer:
         at = torch.cat([torch.arange(op.local_tokens), *positions])
         moved = torch.cat([torch.zeros(op.local_tokens, dtype=torch.long), *deltas])
         picked = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
-        keys, values = [], []
-        with torch.no_grad():
-            for name in self.layer_names:
+        rotator = runner.rotator if bool(moved.any()) else None
+        # Layer by layer: one layer's donor K/V in memory beside the cache, never all of them.
+        for layer, name in enumerate(self.layer_names):
+            with torch.no_grad():
                 k, v = self._read(name, slots, picked, local)
-                keys.append(k)
-                values.append(v)
-            place(cache, runner.rotator if bool(moved.any()) else None, at, keys, values, moved)
-            del keys, values
-        yield 0
+                place_layer(cache, layer, rotator, at, k, v, moved)
+                del k, v
+            yield 0  # reads and re-rotation: charged the per-call overhead only
         fault_after = _fault_after_layers()
         if fault_after is not None:
             self._fail_midway(cache, op, fault_after)
-        # Gaps always, plus what the strategy selects, one layer per step.
+        # Gaps always, plus what the strategy selects, one layer call (chunk) per step.
         done = yield from recompute_steps(
             runner, cache, range(op.local_tokens, op.span_tokens),
             [(c.target_start, c.length) for c in op.copies], op.token_map(), op.recompute,
-            op.prompt_tokens, reduce=self.reduce)
+            op.prompt_tokens, reduce=self.reduce, max_tokens=op.max_chunk_tokens)
         return cache, done.recomputed
 
     def _read(self, name: str, slots: torch.Tensor, picked: torch.Tensor,
@@ -233,9 +277,30 @@ class SpanRealizer:
         if op.gap_positions and layers:
             at = torch.as_tensor(op.gap_positions, dtype=torch.long, device=self.runner.device)
             ids = op.token_map()
-            self.runner.run_layers(cache, self.runner.embed([ids[p] for p in op.gap_positions]),
-                                   at, range(layers))
+            for _ in layer_calls(self.runner, cache,
+                                 self.runner.embed([ids[p] for p in op.gap_positions]), at,
+                                 range(layers), op.max_chunk_tokens):
+                pass
         raise InjectedRealizationFault(f"injected after {layers} layers")
+
+
+def check_realize_memory_fits_device(config: SemkvConfig, device: torch.device) -> None:
+    """Refuse a ``realize_memory_bytes`` the accelerator cannot give beside vLLM's KV cache.
+
+    Runs in ``register_kv_caches``, after vLLM allocated its KV cache on the device: what is
+    free now is what a realization can take. A host realization is checked with the donor
+    store (``engine_setup.check_store_fits_host``).
+    NOTE: untested here (CPU only); CUDA devices report their free memory.
+    """
+    if device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    wanted = int(config.realize_memory_bytes)
+    if wanted > free:
+        raise ConfigError(
+            f"realize_memory_bytes={wanted} ({wanted / 2**30:.2f} GiB) is more than {device} "
+            f"has free beside vLLM's KV cache ({free / 2**30:.2f} GiB); lower "
+            f"realize_memory_bytes or vLLM's gpu_memory_utilization")
 
 
 def _tensor_parallel_sum() -> Any:

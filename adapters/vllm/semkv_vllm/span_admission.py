@@ -7,7 +7,11 @@ Protocol (``SchedulerSide._decide`` calls ``plan`` after admission judged the ca
    chunk among all of them (identical tokens only, any offset) and leaves the rest of the span
    as gaps for the worker to compute.
 2. The plan must copy at least ``verified_min_reuse_tokens`` tokens and beat an exact-tier match
-   admission found (exact KV needs no re-rotation and may be committed: it wins ties).
+   admission found (exact KV needs no re-rotation and may be committed: it wins ties). With a
+   ``Budget`` (``realize_budget``: the model's per-rank geometry, ``realize_memory_bytes``,
+   vLLM's ``max_num_batched_tokens`` as the positions per layer call) its working set
+   (``semkv.realize.memory``, the same estimate the worker checks before allocating) must fit:
+   else ``allocation_failed``, counted ``realize_refused{reason=memory}``, nothing held.
 3. One lease per donor, then every donor block a copy reads is pinned in the store, before any
    token is reported. Anything missing ends in ``donor_stale`` with everything released.
    With a shared KV store (``fetch_chunk`` set: ``donor_store: lmcache``) donors' KV is not in
@@ -31,10 +35,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from semkv.admission import DonorView
 from semkv.config import SemkvConfig
 from semkv.leases import LeaseTable, UnknownDonorError
+from semkv.metrics import CounterBag
+from semkv.realize.memory import Budget, Geometry, working_set
 from semkv.realize.recompute import RecomputeKind, RecomputeStrategy, needed_positions
 from semkv.span_plan import SpanPlan, plan_span
 from semkv.types import (
@@ -59,6 +66,7 @@ class SpanHold:
     recompute: RecomputeStrategy = field(default_factory=RecomputeStrategy)
     fetches: list[FetchOp] = field(default_factory=list)  # shared store -> private slots
     fetch_keys: list[bytes] = field(default_factory=list)  # the private slots' index keys
+    chunk_tokens: int | None = None  # the realization's positions per layer call
 
     @property
     def slots(self) -> list[int]:
@@ -74,7 +82,8 @@ class SpanHold:
         return RealizeOp(request_id, local, span, list(block_ids[: local // bs]),
                          list(block_ids[local // bs: span // bs]), list(self.copies), gaps,
                          needed, [int(token_ids[p]) for p in needed], self.recompute,
-                         len(token_ids), fetches=list(self.fetches))
+                         len(token_ids), fetches=list(self.fetches),
+                         max_chunk_tokens=self.chunk_tokens)
 
 
 def strategy_of(config: SemkvConfig) -> RecomputeStrategy:
@@ -85,10 +94,40 @@ def strategy_of(config: SemkvConfig) -> RecomputeStrategy:
                              probe_layers=config.recompute_probe_layers)
 
 
+def realize_budget(config: SemkvConfig, vllm_config: Any) -> Budget:
+    """The realization's bound and per-call chunk, with the model's per-rank geometry read
+    from vLLM's config (the shapes the worker's runner reads off the loaded modules)."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    tp = max(1, int(pc.tensor_parallel_size))
+    geometry = Geometry(
+        layers=int(mc.get_num_layers(pc)), kv_heads=int(mc.get_num_kv_heads(pc)),
+        heads=int(mc.get_num_attention_heads(pc)), head_dim=int(mc.get_head_size()),
+        hidden=int(mc.get_hidden_size()),
+        intermediate=-(-int(mc.hf_text_config.intermediate_size) // tp),
+        dtype_bytes=int(mc.dtype.itemsize))
+    return Budget(geometry, int(config.realize_memory_bytes),
+                  int(vllm_config.scheduler_config.max_num_batched_tokens))
+
+
+def plan_working_set(budget: Budget, plan: SpanPlan, recompute: RecomputeStrategy) -> int:
+    """The working set of the ``RealizeOp`` this plan becomes (``realization.op_working_set``
+    of it, computed before anything is held)."""
+    bs, local = plan.block_size, plan.local_tokens
+    copies = [s for s in plan.segments if not s.is_gap]
+    blocks = sum((s.donor_start + s.length - 1) // bs - s.donor_start // bs + 1 for s in copies)
+    computed = len(needed_positions(range(local, plan.span_tokens),
+                                    [(s.target_start, s.length) for s in copies], recompute))
+    return working_set(budget.geometry, span_tokens=plan.span_tokens, local_tokens=local,
+                       read_rows=local + blocks * bs, computed=computed,
+                       probe_layers=recompute.probe_layers if recompute.kind.probes else 0,
+                       chunk_tokens=budget.chunk_tokens)
+
+
 class SpanAdmission:
     def __init__(self, config: SemkvConfig, block_size: int, index: StoreIndex,
                  leases: LeaseTable, keys_of: Callable[[str], list[bytes] | None], *,
-                 fetch_chunk: int | None = None) -> None:
+                 fetch_chunk: int | None = None, budget: Budget | None = None,
+                 stats: CounterBag | None = None) -> None:
         self.config = config
         self.bs = block_size
         self.index = index
@@ -96,6 +135,8 @@ class SpanAdmission:
         self.keys_of = keys_of  # donor id -> its blocks' content keys in the store
         # Set: donors' KV lives in a shared store that holds whole chunks of this many tokens.
         self.fetch_chunk = fetch_chunk
+        self.budget = budget  # None: plans are not bounded here (the worker still refuses)
+        self.stats = stats
 
     def plan(self, request_id: str, target: Sequence[int], local: int,
              candidates: Sequence[Candidate], view: Callable[[str], DonorView | None],
@@ -121,7 +162,13 @@ class SpanAdmission:
             return FallbackReason.LOW_REUSE_TOKENS
         if exact is not None and exact.external_prefix_tokens >= plan.copied_tokens:
             return FallbackReason.EXACT_PREFIX_SUFFICIENT  # the exact match serves as much
-        hold = SpanHold(plan, recompute=recompute)
+        if self.budget is not None and (
+                plan_working_set(self.budget, plan, recompute) > self.budget.memory_bytes):
+            if self.stats is not None:
+                self.stats.inc("realize_refused", "memory")
+            return FallbackReason.ALLOCATION_FAILED  # before any lease or pin
+        hold = SpanHold(plan, recompute=recompute,
+                        chunk_tokens=None if self.budget is None else self.budget.chunk_tokens)
         held = (self._hold(hold) if self.fetch_chunk is None
                 else self._hold_for_fetch(hold, request_id, donors))
         if not held:

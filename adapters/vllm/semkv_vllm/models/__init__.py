@@ -40,13 +40,18 @@ from typing import Any, Protocol
 import torch
 
 from semkv.realize import LayerRunner
+from semkv.realize.memory import Geometry
 from semkv_vllm.models.llama import LlamaLayerRunner, UnsupportedModelError
 
 
 class EngineLayerRunner(LayerRunner, Protocol):
-    """A ``LayerRunner`` over the engine's loaded model (``model``: that model)."""
+    """A ``LayerRunner`` over the engine's loaded model (``model``: that model; ``geometry``:
+    its per-rank shape for the realization's memory estimate)."""
 
     model: Any
+
+    @property
+    def geometry(self) -> Geometry: ...
 
 
 RUNNERS: dict[str, Callable[[Any], EngineLayerRunner]] = {

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from semkv.realize import KVCache
+from semkv.realize.memory import Geometry
 from semkv.realize.runner import check_positions
 from semkv_vllm.rope import RopeShift
 
@@ -116,6 +117,18 @@ class LlamaLayerRunner:
                     f"{type(self.model).__name__}: rotary angles are not linear in the position")
             self._rotator = ShiftRotator(shift)
         return self._rotator
+
+    @property
+    def geometry(self) -> Geometry:
+        """This rank's shape, for a realization's memory estimate (``semkv.realize.memory``)."""
+        gate_up = self._layers[0].mlp.gate_up_proj
+        width = getattr(gate_up, "output_size_per_partition", None)  # this rank's gate + up
+        if width is None:
+            width = gate_up.weight.shape[0]
+        return Geometry(layers=self.num_layers, kv_heads=self.kv_heads, heads=self.num_heads,
+                        head_dim=self.head_dim,
+                        hidden=int(self.model.model.embed_tokens.weight.shape[1]),
+                        intermediate=int(width) // 2, dtype_bytes=self.dtype.itemsize)
 
     # -- building blocks --------------------------------------------------------------------
 
