@@ -99,12 +99,13 @@ def realize_budget(config: SemkvConfig, vllm_config: Any) -> Budget:
     from vLLM's config (the shapes the worker's runner reads off the loaded modules)."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     tp = max(1, int(pc.tensor_parallel_size))
+    hidden = int(mc.get_hidden_size())
+    # Models the runners refuse may lack it: the usual 4x keeps the estimate an estimate.
+    width = getattr(mc.hf_text_config, "intermediate_size", None) or 4 * hidden
     geometry = Geometry(
         layers=int(mc.get_num_layers(pc)), kv_heads=int(mc.get_num_kv_heads(pc)),
         heads=int(mc.get_num_attention_heads(pc)), head_dim=int(mc.get_head_size()),
-        hidden=int(mc.get_hidden_size()),
-        intermediate=-(-int(mc.hf_text_config.intermediate_size) // tp),
-        dtype_bytes=int(mc.dtype.itemsize))
+        hidden=hidden, intermediate=-(-int(width) // tp), dtype_bytes=int(mc.dtype.itemsize))
     return Budget(geometry, int(config.realize_memory_bytes),
                   int(vllm_config.scheduler_config.max_num_batched_tokens))
 
