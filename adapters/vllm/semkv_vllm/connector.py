@@ -54,6 +54,8 @@ from semkv_vllm.metadata import SemkvMetadata, SemkvWorkerMetadata
 from semkv_vllm.namespace import namespace_from_vllm_config
 from semkv_vllm.rope import RopeShift
 from semkv_vllm.scheduler import SchedulerSide
+from semkv_vllm.sleep_mode import SleepModeUnsupported
+from semkv_vllm.span_admission import realize_budget
 from semkv_vllm.stats import SemkvConnectorStats, SemkvPromMetrics
 from semkv_vllm.worker import WorkerSide
 
@@ -69,7 +71,7 @@ if TYPE_CHECKING:
 log = get_logger("semkv.vllm.connector")
 
 
-class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
+class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -111,7 +113,9 @@ class SemanticKVConnector(KVConnectorBase_V1, SupportsHMA):
                     or not vllm_config.cache_config.enable_prefix_caching),
                 shared_lookup=self._shared_lookup if self._shared is not None else None,
                 fetch_lookups=self._fetch_lookups(),
-                tensor_parallel=vllm_config.parallel_config.tensor_parallel_size)
+                tensor_parallel=vllm_config.parallel_config.tensor_parallel_size,
+                realize_budget=(realize_budget(self.config, vllm_config)
+                                if semantic and self.config.realize_spans else None))
             if semantic and self.config.realize_spans and self._scheduler.tensor_parallel > 1:
                 log.warning("realized_spans_refused", why="tensor_parallel_size > 1",
                             counted_as="vllm:semkv_realize_refused_total{reason=tensor_parallel}")

@@ -49,6 +49,7 @@ from semkv.lookup import GuardedProvider, LookupResult
 from semkv.metrics import CounterBag
 from semkv.namespace import Namespace
 from semkv.provider import LookupQuery
+from semkv.realize.memory import Budget
 from semkv.types import (
     CachePolicy,
     Candidate,
@@ -78,7 +79,8 @@ class SchedulerSide:
                  provider: GuardedProvider | None, can_shift: bool = False,
                  request_only_enforced: Callable[[], bool] = lambda: False,
                  shared_lookup: Callable[[Any, int], int | None] | None = None,
-                 fetch_lookups: FetchLookups | None = None, tensor_parallel: int = 1) -> None:
+                 fetch_lookups: FetchLookups | None = None, tensor_parallel: int = 1,
+                 realize_budget: Budget | None = None) -> None:
         self.config = config
         self.bs = block_size
         self.namespace = namespace
@@ -120,7 +122,8 @@ class SchedulerSide:
         fetch_chunk = (None if self.fetch_lookups is None
                        else self.fetch_lookups.chunk_tokens)
         self.spans = (SpanAdmission(config, block_size, self.index, self.leases,
-                                    self._donor_keys, fetch_chunk=fetch_chunk)
+                                    self._donor_keys, fetch_chunk=fetch_chunk,
+                                    budget=realize_budget, stats=self.stats)
                       if (self.materialize and config.realize_spans
                           and (shared_lookup is None or fetch_chunk is not None)
                           and QualityTier.VERIFIED in config.semantic_tiers) else None)
@@ -307,10 +310,12 @@ class SchedulerSide:
             rid, st.request.all_token_ids, local, candidates, self._span_view,
             st.namespace.digest, exact, st.recompute,
             st.options.reuse_until if st.options is not None else None))
+        # a plan the engine's own limits refuse is reported as such (not the admission's reason)
+        engine_refused = planned is FallbackReason.ALLOCATION_FAILED  # realize_memory_bytes
         if not isinstance(planned, FallbackReason) and self.tensor_parallel > 1:
             self.spans.release(planned[1])
             self.stats.inc("realize_refused", "tensor_parallel")
-            planned = FallbackReason.UNSUPPORTED_REQUEST
+            planned, engine_refused = FallbackReason.UNSUPPORTED_REQUEST, True
         if not isinstance(planned, FallbackReason):
             if match.is_hit:
                 self.leases.release(match.donor_lease_id or "")
@@ -318,8 +323,9 @@ class SchedulerSide:
             return realized
         if exact is not None:
             return None  # the exact tier serves it
-        if match.is_hit:
-            self.leases.release(match.donor_lease_id or "")
+        if match.is_hit or engine_refused:
+            if match.is_hit:
+                self.leases.release(match.donor_lease_id or "")
             return SemanticKVMatch.fallback(rid, planned, local_prefix_tokens=local)
         return None
 
