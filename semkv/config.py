@@ -33,7 +33,8 @@ ENV_PREFIX = "SEMKV_"
 # SEMKV_* variables that are not config keys (read elsewhere, documented in the operator guide).
 NON_CONFIG_ENV = frozenset(
     {"SEMKV_CONFIG_FILE", "SEMKV_LOAD_PLUGINS", "SEMKV_LOG_LEVEL", "SEMKV_CACHE_DIR",
-     "SEMKV_ALLOW_FAULT_INJECTION", "SEMKV_FAULT_REALIZE_AFTER_LAYERS"}
+     "SEMKV_ALLOW_FAULT_INJECTION", "SEMKV_FAULT_REALIZE_AFTER_LAYERS",
+     "SEMKV_FAULT_STALL_FETCHES"}
 )
 
 

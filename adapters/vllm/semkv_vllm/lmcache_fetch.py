@@ -46,6 +46,9 @@ from semkv_vllm.request_state import RequestState
 from semkv_vllm.span_admission import SpanAdmission
 
 WAIT_SLICE_S = 0.002
+# Fault injection (tests and chaos runs, with SEMKV_ALLOW_FAULT_INJECTION=1): LMCache's reports
+# of finished retrieves are never taken, as if the server never answered one.
+FAULT_STALL_FETCHES = "SEMKV_FAULT_STALL_FETCHES"
 
 
 class FetchLookups:
@@ -228,7 +231,17 @@ class HostFetcher:
     def _collect(self) -> list[FetchOp]:
         """The in-flight fetches LMCache reports finished, out of ``_in_flight``."""
         _, finished = self.adapter.get_finished(set())
+        if _stall_fetches():
+            return []
         return [self._in_flight.pop(f) for f in finished or () if f in self._in_flight]
 
     def shutdown(self) -> None:
         self.connector.shutdown()
+
+
+def _stall_fetches() -> bool:
+    import os
+
+    from semkv.plugins import fault_injection_allowed
+
+    return bool(os.environ.get(FAULT_STALL_FETCHES)) and fault_injection_allowed()
