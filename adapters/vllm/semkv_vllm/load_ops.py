@@ -4,6 +4,8 @@
 - Exact tier: store slot i into the block after the local prefix plus i.
 - One donor over differing tokens (verified/semantic token swap): the assessment's segments,
   donor blocks from the first one the span reads.
+- ``pin_slots``: a single-donor load's store slots, pinned at decision time (before any token
+  is reported) so that no eviction rewrites them before the load.
 
 NOTE: a non-exact op is request-only: the request never becomes a donor either (``may_save``).
 """
@@ -12,9 +14,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from semkv.types import QualityTier
+from semkv.types import QualityTier, SemanticKVMatch
 from semkv_vllm.metadata import LoadOp, RealizeOp
 from semkv_vllm.request_state import RequestState
+from semkv_vllm.store_index import StoreIndex
+
+
+def pin_slots(st: RequestState, match: SemanticKVMatch, donor_keys: Sequence[bytes],
+              index: StoreIndex, block_size: int) -> bool:
+    """Pin the store slots a single-donor load reads (False: one is no longer stored)."""
+    span = st.assessment.span if st.assessment is not None else None
+    if match.quality_tier is QualityTier.EXACT or span is None:
+        first, count = (match.local_prefix_tokens // block_size,
+                        match.external_prefix_tokens // block_size)
+    else:
+        lo, hi = span.donor_range()
+        first, count = lo // block_size, (hi - 1) // block_size - lo // block_size + 1
+    found = [index.get(k) for k in donor_keys[first : first + count]]
+    if any(f is None for f in found):
+        return False
+    st.pinned = [f[0] for f in found if f]
+    st.generations = [f[1] for f in found if f]
+    index.pin(st.pinned)
+    return True
 
 
 def realize_op(st: RequestState, block_ids: Sequence[int]) -> RealizeOp:

@@ -9,6 +9,7 @@ NOTE: counts, tiers and ids only: never prompt text, token ids or embeddings.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from semkv.metrics import CounterBag
@@ -78,3 +79,13 @@ def account(stats: CounterBag, st: RequestState) -> dict[str, Any]:
         "span": ({**st.span.plan.summary(), "recomputed": st.recomputed_tokens}
                  if st.span is not None and tier is not None else None),
     }
+
+
+def export_guard_counters(stats: CounterBag, counts: Mapping[str, int],
+                          exported: dict[str, int]) -> None:
+    """The provider guard's error counters (cumulative) as deltas since the last export."""
+    for kind, value in counts.items():
+        delta = value - exported.get(kind, 0)
+        if delta:
+            stats.inc("lookup_errors", kind, delta)
+            exported[kind] = value

@@ -1,4 +1,6 @@
-"""What the scheduler side keeps per request, from registration to ``request_finished``."""
+"""What the scheduler side keeps per request, from registration to ``request_finished``, and
+what registration reads off vLLM's ``Request`` (namespace, options, what may be saved, the
+lookup's query)."""
 
 from __future__ import annotations
 
@@ -6,10 +8,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from semkv.admission import Assessment
+from semkv.config import SemkvConfig
+from semkv.metrics import CounterBag
 from semkv.namespace import Namespace
+from semkv.provider import LookupQuery
 from semkv.realize.recompute import RecomputeStrategy
 from semkv.request_options import RequestOptions
 from semkv.types import SemanticKVMatch
+from semkv_vllm.options import read_options
 from semkv_vllm.span_admission import SpanHold
 
 
@@ -44,3 +50,37 @@ class RequestState:
     bad_options: bool = False  # it sent options that do not parse: normal prefill
     # its span's strategy (read_options: the engine's, or its options' over it)
     recompute: RecomputeStrategy = field(default_factory=RecomputeStrategy)
+
+
+def new_request_state(request: Any, namespace: Namespace, config: SemkvConfig,
+                      stats: CounterBag, recompute: RecomputeStrategy) -> RequestState:
+    """A request's state at registration: its namespace (with its LoRA and cache salt) and
+    its options (``read_options``: counted when bad or off)."""
+    from semkv_vllm.namespace import request_lora_identity
+
+    ns = namespace.for_request(lora_identity=request_lora_identity(request.lora_request),
+                               cache_salt=request.cache_salt)
+    st = RequestState(request, ns)
+    st.options, st.recompute, st.bad_options = read_options(request, config, stats, recompute)
+    return st
+
+
+def supported(request: Any) -> bool:
+    """KV is a function of token ids only when the prompt has no embeddings or media."""
+    return request.prompt_embeds is None and not request.mm_features
+
+
+def may_save(st: RequestState) -> bool:
+    """May its prompt become a donor (not opted out, never request-only)?"""
+    opted_out = st.options is not None and not st.options.save
+    return supported(st.request) and not opted_out and not st.request_only
+
+
+def lookup_query(st: RequestState, local: int, max_candidates: int) -> LookupQuery:
+    """The provider's query: token ids, and text only where the client sent it."""
+    params = st.request.kv_transfer_params or {}
+    text = params.get("semkv_text") if isinstance(params, dict) else None
+    return LookupQuery(request_id=st.request.request_id, namespace=st.namespace.digest,
+                       token_ids=tuple(st.request.all_token_ids),
+                       text=text if isinstance(text, str) else None,
+                       local_prefix_tokens=local, max_candidates=max_candidates)

@@ -1,7 +1,9 @@
 """Scheduler side of the connector: discovery, admission, load plans.
 
 Donor capture lives in ``donor_registry.py``, outcome counting in ``provenance.py``, span
-realization plans (non-prefix reuse from several donors) in ``span_admission.py``.
+realization plans (non-prefix reuse from several donors) in ``span_admission.py`` and whether
+a request gets one in ``span_decision.py``, the workers' reports in ``worker_feedback.py``, the
+order in which finished requests' blocks go back to vLLM in ``finish_order.py``.
 
 Protocol, per vLLM scheduler step:
 - ``on_new_request``: register the request (cheap); with ``async_lookup`` start its lookup.
@@ -40,7 +42,7 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
-from semkv.admission import Admission, Assessment, DonorView
+from semkv.admission import Admission, DonorView
 from semkv.config import SemkvConfig
 from semkv.gates import full_prompt_cap
 from semkv.leases import LeaseTable
@@ -48,11 +50,9 @@ from semkv.log import get_logger
 from semkv.lookup import GuardedProvider, LookupResult
 from semkv.metrics import CounterBag
 from semkv.namespace import Namespace
-from semkv.provider import LookupQuery
 from semkv.realize.memory import Budget
 from semkv.types import (
     CachePolicy,
-    Candidate,
     FallbackReason,
     QualityTier,
     SemanticKVMatch,
@@ -61,13 +61,21 @@ from semkv_vllm.donor_registry import Donor, DonorRegistry
 from semkv_vllm.finish_order import FinishOrder
 from semkv_vllm.foreign_donors import ForeignDonors
 from semkv_vllm.lmcache_fetch import FetchLookups, SpanFetches
-from semkv_vllm.load_ops import load_op, realize_op
-from semkv_vllm.metadata import LoadOp, RealizeOp, SemkvMetadata, SemkvWorkerMetadata
-from semkv_vllm.options import cap_match, read_options
-from semkv_vllm.provenance import account, count_decision
-from semkv_vllm.request_state import RequestState
+from semkv_vllm.load_ops import load_op, pin_slots, realize_op
+from semkv_vllm.metadata import LoadOp, RealizeOp, SemkvMetadata
+from semkv_vllm.options import cap_match
+from semkv_vllm.provenance import account, count_decision, export_guard_counters
+from semkv_vllm.request_state import (
+    RequestState,
+    lookup_query,
+    may_save,
+    new_request_state,
+    supported,
+)
 from semkv_vllm.span_admission import SpanAdmission, strategy_of
+from semkv_vllm.span_decision import SpanDecision
 from semkv_vllm.store_index import StoreIndex
+from semkv_vllm.worker_feedback import apply_worker_meta
 
 log = get_logger("semkv.vllm.scheduler")
 MAX_CANDIDATES = 5
@@ -131,6 +139,7 @@ class SchedulerSide:
                                     timeout_s=config.transfer_timeout_s)
                         if self.spans is not None and self.fetch_lookups is not None else None)
         self.recompute = strategy_of(config)  # the engine's; a request's options lay over it
+        self.span_decision = SpanDecision(self)
         if provider is not None:
             provider.known = lambda d: d in self.registry.donors or self.foreign.is_shared(d)
         self.hook_seconds = 0.0  # connector hooks' time since the last stats export
@@ -149,46 +158,24 @@ class SchedulerSide:
     def _state(self, request: Any) -> RequestState:
         st = self.requests.get(request.request_id)
         if st is None:
-            from semkv_vllm.namespace import request_lora_identity
-
-            ns = self.namespace.for_request(
-                lora_identity=request_lora_identity(request.lora_request),
-                cache_salt=request.cache_salt,
-            )
-            st = self.requests[request.request_id] = RequestState(request, ns)
-            st.options, st.recompute, st.bad_options = read_options(
-                request, self.config, self.stats, self.recompute)
+            st = self.requests[request.request_id] = new_request_state(
+                request, self.namespace, self.config, self.stats, self.recompute)
             st.may_save = self._may_save(st)
         return st
 
     def _may_save(self, st: RequestState) -> bool:
-        opted_out = st.options is not None and not st.options.save
-        return (self.engine_supported and self._supported(st.request) and not opted_out
-                and not st.request_only)
-
-    @staticmethod
-    def _supported(request: Any) -> bool:
-        # KV is a function of token ids only when the prompt has no embeddings or media.
-        return request.prompt_embeds is None and not request.mm_features
+        return self.engine_supported and may_save(st)
 
     def on_new_request(self, request: Any) -> None:
         st = self._state(request)
         wanted = st.options is None or st.options.lookup
         if (self.provider is not None and self.config.async_lookup and wanted
-                and self._supported(request)):
-            st.lookup_started = self.provider.submit(self._query(st, 0))
+                and supported(request)):
+            st.lookup_started = self.provider.submit(lookup_query(st, 0, MAX_CANDIDATES))
             if not st.lookup_started:
                 st.decision = SemanticKVMatch.fallback(request.request_id,
                                                        FallbackReason.PROVIDER_TIMEOUT)
                 st.decided_for = (0, request.num_preemptions)
-
-    def _query(self, st: RequestState, local: int) -> LookupQuery:
-        params = st.request.kv_transfer_params or {}
-        text = params.get("semkv_text") if isinstance(params, dict) else None
-        return LookupQuery(request_id=st.request.request_id, namespace=st.namespace.digest,
-                           token_ids=tuple(st.request.all_token_ids),
-                           text=text if isinstance(text, str) else None,
-                           local_prefix_tokens=local, max_candidates=MAX_CANDIDATES)
 
     # -- decisions -------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, local: int) -> tuple[int | None, bool]:
@@ -233,7 +220,7 @@ class SchedulerSide:
                            synchronous=not self.async_load) == 0:
             return SemanticKVMatch.fallback(rid, FallbackReason.EXACT_PREFIX_SUFFICIENT,
                                             local_prefix_tokens=local)
-        if not (self.engine_supported and self._supported(st.request)) or st.bad_options:
+        if not (self.engine_supported and supported(st.request)) or st.bad_options:
             return SemanticKVMatch.fallback(rid, FallbackReason.UNSUPPORTED_REQUEST)
         if st.options is not None and not st.options.lookup:
             return SemanticKVMatch.fallback(rid, FallbackReason.PROVIDER_DISABLED)
@@ -259,7 +246,7 @@ class SchedulerSide:
         elif result.reason is not None:
             return SemanticKVMatch.fallback(rid, result.reason, local_prefix_tokens=local)
         match, st.assessment = self.admission.decide(
-            rid, tokens, local, candidates, self._donor_view, self.leases.acquire,
+            rid, tokens, local, candidates, self.donor_view, self.leases.acquire,
             st.namespace, synchronous=not self.async_load)
         if self.foreign.is_shared(match.donor_id) and match.is_hit and shared:
             # The shared store loads exactly what it answered (whole chunks; never the last
@@ -279,13 +266,13 @@ class SchedulerSide:
         else:
             match = capped
         if self.spans is not None and not (match.is_hit and self.foreign.is_shared(match.donor_id)):
-            realized = self._realize(st, local, candidates, match)
+            realized = self.span_decision.realize(st, local, candidates, match)
             if realized is not None and self.fetches is not None:
                 return self.fetches.start(st, realized)  # its donors' KV is fetched first
             if realized is not None:
                 return realized
         if match.is_hit and match.quality_tier is not QualityTier.EXACT:
-            refusal = self._refuse_non_exact(st.assessment)
+            refusal = self.span_decision.refuse_non_exact(st.assessment)
             if refusal is not None:
                 self.leases.release(match.donor_lease_id or "")
                 return SemanticKVMatch.fallback(rid, refusal, local_prefix_tokens=local)
@@ -294,40 +281,6 @@ class SchedulerSide:
             return SemanticKVMatch.fallback(rid, FallbackReason.DONOR_STALE,
                                             local_prefix_tokens=local)
         return match
-
-    def _realize(self, st: RequestState, local: int, candidates: list[Candidate],
-                 match: SemanticKVMatch) -> SemanticKVMatch | None:
-        """A realized span from all candidates, when it serves more than ``match`` (else None).
-
-        NOTE: with realization on, one donor's KV is never laid over differing target tokens:
-        a non-exact single-donor match that no plan beats falls back.
-        """
-        assert self.spans is not None
-        rid = st.request.request_id
-        exact = match if match.is_hit and match.quality_tier is QualityTier.EXACT else None
-        refusal = self._refuse_non_exact(st.assessment, realize=True)
-        planned = (refusal if refusal is not None else self.spans.plan(
-            rid, st.request.all_token_ids, local, candidates, self._span_view,
-            st.namespace.digest, exact, st.recompute,
-            st.options.reuse_until if st.options is not None else None))
-        # a plan the engine's own limits refuse is reported as such (not the admission's reason)
-        engine_refused = planned is FallbackReason.ALLOCATION_FAILED  # realize_memory_bytes
-        if not isinstance(planned, FallbackReason) and self.tensor_parallel > 1:
-            self.spans.release(planned[1])
-            self.stats.inc("realize_refused", "tensor_parallel")
-            planned, engine_refused = FallbackReason.UNSUPPORTED_REQUEST, True
-        if not isinstance(planned, FallbackReason):
-            if match.is_hit:
-                self.leases.release(match.donor_lease_id or "")
-            realized, st.span = planned
-            return realized
-        if exact is not None:
-            return None  # the exact tier serves it
-        if match.is_hit or engine_refused:
-            if match.is_hit:
-                self.leases.release(match.donor_lease_id or "")
-            return SemanticKVMatch.fallback(rid, planned, local_prefix_tokens=local)
-        return None
 
     def loads_from_shared(self, request_id: str) -> bool:
         """Is this request's admitted span the shared store's own prefix (its connector loads)?"""
@@ -343,65 +296,33 @@ class SchedulerSide:
         opted_out = st.options is not None and not st.options.save
         return opted_out or self.cache_policy(request_id) is CachePolicy.REQUEST_ONLY
 
-    def _end_fetches(self, st: RequestState) -> None:
+    def end_fetches(self, st: RequestState) -> None:
         if self.fetches is not None:
             self.fetches.end(st)
-
-    def _span_view(self, donor_id: str) -> DonorView | None:
-        """Span planning also sees other engines' donors whose KV it can fetch."""
-        return self._donor_view(donor_id) or self.foreign.fetchable.get(donor_id)
 
     def _donor_keys(self, donor_id: str) -> list[bytes] | None:
         donor = self.registry.donors.get(donor_id)
         return None if donor is None else donor.keys
 
-    def _refuse_non_exact(self, assessment: Assessment | None,
-                          realize: bool = False) -> FallbackReason | None:
-        """Engine-side conditions for request-only reuse (admission judged the tokens)."""
-        if not self.request_only_enforced():
-            return FallbackReason.RECOMPUTE_POLICY  # loaded KV could become exact cache state
-        if realize:  # shifted copies also need RoPE re-rotation: refused per plan by the worker
-            ok = bool(self.layout_known and self.can_realize and self.can_shift)
-            return None if ok else FallbackReason.UNSUPPORTED_REQUEST
-        span = assessment.span if assessment is not None else None
-        if span is None or not self.layout_known or (span.shifted and not self.can_shift):
-            return FallbackReason.UNSUPPORTED_REQUEST  # pages or positions cannot be edited
-        return None
-
     def _lookup(self, st: RequestState, local: int) -> LookupResult | None:
         assert self.provider is not None
         if not self.config.async_lookup:
-            return self.provider.lookup_now(self._query(st, local))
+            return self.provider.lookup_now(lookup_query(st, local, MAX_CANDIDATES))
         if not st.lookup_started:
-            st.lookup_started = self.provider.submit(self._query(st, local))
+            st.lookup_started = self.provider.submit(lookup_query(st, local, MAX_CANDIDATES))
             if not st.lookup_started:
                 return LookupResult(reason=FallbackReason.PROVIDER_TIMEOUT)
         return self.provider.poll(st.request.request_id)
 
-    def _donor_view(self, donor_id: str) -> DonorView | None:
+    def donor_view(self, donor_id: str) -> DonorView | None:
         return (self.foreign.shared.get(donor_id) or self.registry.view(donor_id)
                 or self.foreign.remote.get(donor_id))
 
     def _pin(self, st: RequestState, match: SemanticKVMatch) -> bool:
         if not self.materialize or self.foreign.is_shared(match.donor_id):
             return True  # a shared store holds its own locks from lookup to load
-        donor = self.registry.donors[match.donor_id or ""]
-        first, count = self._donor_blocks(st, match)
-        found = [self.index.get(k) for k in donor.keys[first : first + count]]
-        if any(f is None for f in found):
-            return False
-        st.pinned = [f[0] for f in found if f]
-        st.generations = [f[1] for f in found if f]
-        self.index.pin(st.pinned)
-        return True
-
-    def _donor_blocks(self, st: RequestState, match: SemanticKVMatch) -> tuple[int, int]:
-        """(first donor block, number of blocks) the load reads."""
-        span = st.assessment.span if st.assessment is not None else None
-        if match.quality_tier is QualityTier.EXACT or span is None:
-            return match.local_prefix_tokens // self.bs, match.external_prefix_tokens // self.bs
-        lo, hi = span.donor_range()
-        return lo // self.bs, (hi - 1) // self.bs - lo // self.bs + 1
+        return pin_slots(st, match, self.registry.donors[match.donor_id or ""].keys,
+                         self.index, self.bs)
 
     def _release(self, st: RequestState) -> None:
         self._release_holds(st)
@@ -412,7 +333,7 @@ class SchedulerSide:
         """Leases, pins, fetched slots and lookup locks; the decision itself stays."""
         if st.span is not None:  # a realization holds every lease and pin in its SpanHold
             assert self.spans is not None
-            self._end_fetches(st)
+            self.end_fetches(st)
             self.spans.release(st.span)  # idempotent: the plan stays for the accounting
         elif st.decision is not None and st.decision.donor_lease_id:
             self.leases.release(st.decision.donor_lease_id)
@@ -488,33 +409,7 @@ class SchedulerSide:
 
     # -- worker feedback and finish ----------------------------------------------------------
     def update_connector_output(self, worker_meta: Any) -> None:
-        if not isinstance(worker_meta, SemkvWorkerMetadata):
-            return
-        if worker_meta.layout_known is not None:
-            self.layout_known = worker_meta.layout_known
-        if worker_meta.can_realize is not None:
-            self.can_realize = worker_meta.can_realize
-        # NOTE: vLLM frees requests that stop in this step before it hands us the step's worker
-        # output, so the counter counts confirmations whether or not the request is still here.
-        for rid, blocks in worker_meta.loaded_blocks.items():
-            self.stats.inc("loaded_tokens", amount=blocks * self.bs)
-            self.stats.observe("request_loaded_tokens", blocks * self.bs)
-            st = self.requests.get(rid)
-            if st is not None:
-                st.loaded_tokens = blocks * self.bs
-                if st.span is not None:  # what the worker's realization did inside the span
-                    plan = st.span.plan
-                    self.stats.inc("span_tokens", "copied", plan.copied_tokens)
-                    self.stats.inc("span_tokens", "shifted", plan.shifted_tokens)
-                    self.stats.inc("span_tokens", "computed", plan.computed_tokens)
-                    st.recomputed_tokens = worker_meta.recomputed.get(rid, 0)
-                    self.stats.inc("span_tokens", "recomputed", st.recomputed_tokens)
-                    self._end_fetches(st)
-        for rid in worker_meta.failed:
-            st = self.requests.get(rid)
-            if st is not None:
-                st.load_failed = True
-                self._end_fetches(st)
+        apply_worker_meta(self, worker_meta)
 
     def request_finished(self, request: Any, *,
                          shared_delays_free: bool = False) -> dict[str, Any] | None:
@@ -565,12 +460,8 @@ class SchedulerSide:
         if self.hook_seconds:
             self.stats.observe("scheduler_seconds", self.hook_seconds)
             self.hook_seconds = 0.0
-        if self.provider is not None:  # export the guard's counters as deltas
-            for kind, value in self.provider.counts().items():
-                delta = value - self._exported.get(kind, 0)
-                if delta:
-                    self.stats.inc("lookup_errors", kind, delta)
-                    self._exported[kind] = value
+        if self.provider is not None:
+            export_guard_counters(self.stats, self.provider.counts(), self._exported)
         self.stats.set("donor_store_bytes", len(self.index) * self.bytes_per_slot)
         self.stats.set("donors", len(self.registry))
         self.stats.set("live_leases", self.leases.live_count())

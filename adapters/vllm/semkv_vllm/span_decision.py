@@ -1,0 +1,80 @@
+"""Scheduler side: whether a request's candidates become a realized span, and the engine-side
+conditions any non-exact reuse needs (admission has judged the tokens; this judges the engine).
+
+Called from ``SchedulerSide._decide`` with the request's candidates and the admitted match:
+
+- ``realize``: a realized span from all candidates when it serves more than the match (an
+  exact match it does not beat stays the answer); the plan's leases and pins are held in the
+  request's ``SpanHold`` from here on;
+- ``refuse_non_exact``: the reason a non-exact match or plan cannot be served on this engine
+  (no request-only policy in force, pages or positions that cannot be edited), or None.
+
+NOTE: with realization on, one donor's KV is never laid over differing target tokens: a
+non-exact single-donor match that no plan beats falls back.
+NOTE: a plan the engine's own limits refuse (``realize_memory_bytes``: ``allocation_failed``;
+tensor parallelism: ``unsupported_request``) is reported as that refusal, counted in
+``realize_refused``, not as the admission's reason for the single-donor match.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from semkv.admission import Assessment, DonorView
+from semkv.types import Candidate, FallbackReason, QualityTier, SemanticKVMatch
+from semkv_vllm.request_state import RequestState
+
+if TYPE_CHECKING:
+    from semkv_vllm.scheduler import SchedulerSide
+
+
+class SpanDecision:
+    def __init__(self, side: SchedulerSide) -> None:
+        self.side = side  # the worker-reported state, holds and counters live there
+
+    def realize(self, st: RequestState, local: int, candidates: list[Candidate],
+                match: SemanticKVMatch) -> SemanticKVMatch | None:
+        """The realized span's answer, a fallback, or None (``match`` stands)."""
+        side = self.side
+        assert side.spans is not None
+        rid = st.request.request_id
+        exact = match if match.is_hit and match.quality_tier is QualityTier.EXACT else None
+        refusal = self.refuse_non_exact(st.assessment, realize=True)
+        planned = (refusal if refusal is not None else side.spans.plan(
+            rid, st.request.all_token_ids, local, candidates, self.span_view,
+            st.namespace.digest, exact, st.recompute,
+            st.options.reuse_until if st.options is not None else None))
+        engine_refused = planned is FallbackReason.ALLOCATION_FAILED  # realize_memory_bytes
+        if not isinstance(planned, FallbackReason) and side.tensor_parallel > 1:
+            side.spans.release(planned[1])
+            side.stats.inc("realize_refused", "tensor_parallel")
+            planned, engine_refused = FallbackReason.UNSUPPORTED_REQUEST, True
+        if not isinstance(planned, FallbackReason):
+            if match.is_hit:
+                side.leases.release(match.donor_lease_id or "")
+            realized, st.span = planned
+            return realized
+        if exact is not None:
+            return None  # the exact tier serves it
+        if match.is_hit or engine_refused:
+            if match.is_hit:
+                side.leases.release(match.donor_lease_id or "")
+            return SemanticKVMatch.fallback(rid, planned, local_prefix_tokens=local)
+        return None
+
+    def span_view(self, donor_id: str) -> DonorView | None:
+        """Span planning also sees other engines' donors whose KV it can fetch."""
+        return self.side.donor_view(donor_id) or self.side.foreign.fetchable.get(donor_id)
+
+    def refuse_non_exact(self, assessment: Assessment | None,
+                         realize: bool = False) -> FallbackReason | None:
+        side = self.side
+        if not side.request_only_enforced():
+            return FallbackReason.RECOMPUTE_POLICY  # loaded KV could become exact cache state
+        if realize:  # shifted copies also need RoPE re-rotation: refused per plan by the worker
+            ok = bool(side.layout_known and side.can_realize and side.can_shift)
+            return None if ok else FallbackReason.UNSUPPORTED_REQUEST
+        span = assessment.span if assessment is not None else None
+        if span is None or not side.layout_known or (span.shifted and not side.can_shift):
+            return FallbackReason.UNSUPPORTED_REQUEST  # pages or positions cannot be edited
+        return None
