@@ -108,9 +108,11 @@ class SemkvConfig(BaseSettings):
     realize_memory_bytes: ByteSize = Field(default=ByteSize(1 << 30), ge=1 << 20, description=(
         "Realized spans: the most memory one realization may hold at once (its dense span KV "
         "plus one chunk's activations) per worker; larger plans fall back, counted."))
-    transfer_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0, description=(
+    transfer_timeout_s: float = Field(default=120.0, gt=0.0, le=3600.0, description=(
         "Realized spans and shared-store loads: how long a realization or a donor fetch may "
-        "take before its span is reported invalid and vLLM recomputes it (load_failed)."))
+        "take before its span is reported invalid and vLLM recomputes it (load_failed). A "
+        "deadline for what is stuck, not a speed gate: a long prompt's realization on a "
+        "busy CPU engine can take tens of seconds."))
     provider_config: dict[str, Any] = Field(default_factory=dict)
     config_file: Path | None = Field(default=None, description="Optional YAML file.")
 

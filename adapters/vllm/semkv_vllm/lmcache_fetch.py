@@ -54,7 +54,7 @@ FAULT_STALL_FETCHES = "SEMKV_FAULT_STALL_FETCHES"
 class FetchLookups:
     """Scheduler side, over the engine's embedded LMCache scheduler adapter."""
 
-    def __init__(self, adapter: Any, timeout_s: float = 30.0) -> None:
+    def __init__(self, adapter: Any, timeout_s: float = 120.0) -> None:
         self.adapter = adapter  # LMCacheMPSchedulerAdapter
         self.timeout_s = timeout_s
         self._closing: list[tuple[FetchOp, float]] = []  # ended while their lookup ran
@@ -115,7 +115,7 @@ class SpanFetches:
     """Scheduler side: a realized span is answered once the store confirms its donors."""
 
     def __init__(self, lookups: FetchLookups, spans: SpanAdmission, stats: CounterBag, *,
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 120.0) -> None:
         self.lookups = lookups
         self.timeout_s = timeout_s
         self.spans = spans

@@ -60,7 +60,7 @@ class _SaveResult:
 class WorkerSide:
     def __init__(self, num_slots: int, *, layerwise: bool = False,
                  rope: RopeShift | None = None, async_save: bool = False,
-                 transfer_timeout_s: float = 30.0) -> None:
+                 transfer_timeout_s: float = 120.0) -> None:
         self.num_slots = num_slots
         self.layerwise = layerwise
         self.async_save = async_save
