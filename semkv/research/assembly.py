@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from semkv.plan_class import PlanClass, classify
 from semkv.realize import KVCache, LayerRunner
 from semkv.research.donors import DEFAULT_CHUNK_TOKENS, DonorStore
 from semkv.span_map import DEFAULT_ANCHOR_TOKENS
@@ -81,11 +82,18 @@ class ReusePlan:
     def donors_used(self) -> list[str]:
         return sorted({seg.donor_id for seg in self.segments})
 
-    def summary(self) -> dict[str, int | list[str]]:
+    @property
+    def plan_class(self) -> PlanClass:
+        """The engine's class of this shape (``semkv.plan_class``): the runs against every
+        position not reused (all of them computed here)."""
+        return classify(self.segments, self.num_tokens - self.reused_tokens)
+
+    def summary(self) -> dict[str, int | str | list[str]]:
         """Counts only (safe to log)."""
         return {"tokens": self.num_tokens, "reused": self.reused_tokens,
                 "shifted": self.shifted_tokens, "segments": len(self.segments),
-                "mismatched_reused": self.mismatched_reused_tokens, "donors": self.donors_used()}
+                "mismatched_reused": self.mismatched_reused_tokens, "donors": self.donors_used(),
+                "class": str(self.plan_class)}
 
 
 def plan_reuse(

@@ -23,6 +23,7 @@ the same donor (e.g. the discovered one is the true one) copies its measurements
 included (greedy decoding is deterministic).
 
 Every run records counts and scores only (no text, no token ids): reused and recomputed tokens,
+the plan's class (``semkv.plan_class``, as the engine would label it),
 the fraction of prompt tokens reused, the fraction of token-layers recomputed, the estimated
 prefill FLOPs saved, and the quality scores. ``summarize`` averages them per (cluster type,
 donor choice, strategy), the donor choice of a discovered run being ``discovered:<provider>``;
@@ -182,7 +183,7 @@ class _Measure:
             runs.append({
                 "strategy": strategy.name, "planned_reuse_tokens": plan.reused_tokens,
                 "shifted_tokens": plan.shifted_tokens, "segments": len(plan.segments),
-                "reused_tokens": run.reused_tokens,
+                "plan_class": str(plan.plan_class), "reused_tokens": run.reused_tokens,
                 "reused_fraction": run.reused_tokens / len(ids),
                 "recompute_fraction": run.recompute_fraction,
                 "flops_saved": self.flops.saved(run.passes, len(ids), lm.num_layers),
@@ -193,7 +194,7 @@ class _Measure:
     def without_donor(self, reference: dict[str, Any]) -> list[dict[str, Any]]:
         """No donor: nothing reused, every strategy is a full prefill, i.e. the reference."""
         return [{**reference, "strategy": s.name, "planned_reuse_tokens": 0,
-                 "shifted_tokens": 0, "segments": 0, "no_donor": True}
+                 "shifted_tokens": 0, "segments": 0, "plan_class": None, "no_donor": True}
                 for s in self.config.strategies]
 
 
