@@ -96,6 +96,34 @@ def test_targets_compare_each_strategy_with_the_fp8_floor() -> None:
     assert "prefix cache" in text
 
 
+def test_rows_are_summarized_per_plan_class_against_their_own_targets_floor() -> None:
+    from semkv.bench.frontier_report import markdown, summarize_by_class
+
+    rows = []
+    for kind, cls, floor, kl in (("multi_passage_rag", "multi_donor", 0.004, 0.04),
+                                 ("cross_instruction", "one_donor_in_order", 0.002, 0.001)):
+        t = {"target": f"{kind}/0", "kind": kind}
+        rows += [_row("cold", **t, kl_mean=0.0, first_divergence=None),
+                 _row("fp8_floor", **t, kl_mean=floor),
+                 _row("realized:first_k16", **t, kl_mean=kl, plan_class=cls)]
+    # a request of a strategy arm that was not served has no class and joins none
+    rows.append(_row("realized:none", target="multi_passage_rag/0", served=False,
+                     plan_class=None))
+    by_class = summarize_by_class(rows)
+    assert list(by_class) == ["multi_donor", "one_donor_in_order"]
+    rag = by_class["multi_donor"]
+    assert set(rag) == {"cold", "fp8_floor", "realized:first_k16"}
+    assert rag["fp8_floor"]["kl_mean"] == 0.004 and rag["realized:first_k16"]["kl_mean"] == 0.04
+    assert by_class["one_donor_in_order"]["fp8_floor"]["kl_mean"] == 0.002
+    summary = summarize(rows)
+    result = {"config": preset("frontier").as_dict(), "machine": "test", "wall_s": 60.0,
+              "summary": summary, "negatives": negatives(rows), "request_only_violations": 0,
+              "targets": check(summary, rows, 0), "rows": rows}
+    text = markdown(result)
+    assert "Per plan class" in text and "| plan class | arm |" in text
+    assert "| one_donor_in_order | realized:first_k16 | 1/1 |" in text
+
+
 def test_frontier_presets_validate() -> None:
     assert preset("frontier").runner == "frontier"
     assert preset("frontier-long").target_tokens >= 4096
@@ -117,7 +145,7 @@ def test_a_row_scores_a_request_against_cold_without_an_engine() -> None:
                prompt_tokens=100)
     run = Run(ttft_s=0.5, e2e_s=1.0, output=[1, 2, 9, 9],
               summary={"provenance": "request_only_semantic_reuse",
-                       "span": {"donors": 2, "segments": 3}},
+                       "span": {"donors": 2, "segments": 3, "class": "multi_donor"}},
               delta=Snapshot({f"{SPAN}:copied": 60.0, f"{SPAN}:computed": 20.0,
                               f"{SPAN}:recomputed": 5.0}), prompt_tokens=100)
     cold_dists: list[dict[int, float] | None] = [
@@ -130,6 +158,8 @@ def test_a_row_scores_a_request_against_cold_without_an_engine() -> None:
     r = row("t", wl, "realized:none", run, cold, cold_dists, teacher, 0.3)
     assert r["served"] and r["donor_tokens"] == 60 and r["donor_fraction"] == 0.6
     assert r["computed_in_span"] == 20 and r["recomputed"] == 5 and r["span_donors"] == 2
+    assert r["plan_class"] == "multi_donor"
+    assert row("t", wl, "cold", cold, cold, cold_dists, teacher, 0.3)["plan_class"] is None
     assert r["speedup"] == 4.0 and not r["exact_match"] and r["first_divergence"] == 2
     assert r["cold_margin_at_divergence"] == pytest.approx(0.1)
     # one donor and the cold request, then per strategy a request and its teacher forcing,

@@ -4,7 +4,7 @@ The engine loop that produces the requests is the vLLM adapter's (``semkv_vllm.b
 which documents the protocol); this module is the engine-free part: which donors a target is
 labelled with, what a request costs the run, and the row of one request scored against the cold
 run of the same prompt (greedy agreement, ROUGE-L, per-position KL from cold on the teacher
-forced cold answer, tokens copied / computed / recomputed, TTFT).
+forced cold answer, tokens copied / computed / recomputed, the plan's class, TTFT).
 
 NOTE: rows hold counts, times and scores only, never token ids or text.
 """
@@ -76,6 +76,8 @@ def row(target: str, wl: Workload, arm: str, run: Run, cold: Run,
         "computed_in_span": int(run.delta.get(f"{SPAN}:computed")),
         "span_donors": (run.summary.get("span") or {}).get("donors"),
         "span_segments": (run.summary.get("span") or {}).get("segments"),
+        # the plan's shape (semkv.plan_class), as the engine labelled it; None: no span
+        "plan_class": (run.summary.get("span") or {}).get("class"),
         "recomputed": int(run.delta.get(f"{SPAN}:recomputed")),
         "ttft_s": run.ttft_s, "cold_ttft_s": cold.ttft_s,
         "speedup": cold.ttft_s / run.ttft_s if run.ttft_s > 0 else None,

@@ -1,9 +1,11 @@
 """Tables, targets and the plot of a frontier run (``semkv.bench.frontier`` rows).
 
-Per cluster kind and arm: targets served, tokens from donors, recomputed tokens (share of the
-prompt), TTFT speedup vs cold, ROUGE-L and exact match vs cold, greedy divergences (and how
-many fell at a near-tie of the cold answer), mean per-token KL from cold and the cold answer's
-log-likelihood change, all beside the fp8 floor and the response cache.
+Per cluster kind and arm, and again per plan class (``summarize_by_class``: the engine's own
+label of each realized plan's shape, ``semkv.plan_class``): targets served, tokens from donors,
+recomputed tokens (share of the prompt), TTFT speedup vs cold, ROUGE-L and exact match vs cold,
+greedy divergences (and how many fell at a near-tie of the cold answer), mean per-token KL from
+cold and the cold answer's log-likelihood change, all beside the fp8 floor and the response
+cache.
 
 The targets (issue #17), checked per arm for the kinds that must meet them:
 ``kl_mean <= fp8 floor's``; every divergence at a near-tie (cold margin < ``NEAR_TIE``);
@@ -39,36 +41,57 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
     """kind -> arm -> summary (reuse kinds: every arm; served rows only for the strategies)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for kind in sorted({r["kind"] for r in rows if not r["negative"]}):
-        out[kind] = {}
-        for arm in sorted({r["arm"] for r in rows if r["kind"] == kind}, key=_arm_order):
-            rs = [r for r in rows if r["kind"] == kind and r["arm"] == arm]
-            served = [r for r in rs if r["served"] or arm == COLD]
-            divs = [r for r in served if r["first_divergence"] is not None]
-            near = [r for r in divs if (r["cold_margin_at_divergence"] or 0.0) < NEAR_TIE]
-            out[kind][arm] = {
-                "targets": len(rs), "served": len(served),
-                "prompt_tokens_median": _median([r["prompt_tokens"] for r in rs]),
-                "donor_fraction_median": _median([r["donor_fraction"] for r in served]),
-                "recomputed_fraction_mean": _mean([r["recomputed"] / r["prompt_tokens"]
-                                                   for r in served]),
-                "computed_fraction_mean": _mean([
-                    (r["recomputed"] + r["computed_in_span"]) / r["prompt_tokens"]
-                    for r in served]),
-                "speedup_median": _median([r["speedup"] for r in served]),
-                "rouge_l_median": _median([r["rouge_l"] for r in served]),
-                "rouge_l_mean": _mean([r["rouge_l"] for r in served]),
-                "exact_match_rate": (sum(r["exact_match"] for r in served) / len(served)
-                                     if served else None),
-                "divergences": len(divs), "divergences_near_tie": len(near),
-                "divergence_margins": sorted(round(r["cold_margin_at_divergence"], 3)
-                                             for r in divs
-                                             if r["cold_margin_at_divergence"] is not None),
-                "kl_mean": _mean([r["kl_mean"] for r in served]),
-                "kl_median": _median([r["kl_mean"] for r in served]),
-                "logprob_delta_mean": _mean([r["logprob_delta"] for r in served]),
-                "response_cache_rouge_l_median": _median(
-                    [r["response_cache_rouge_l"] for r in served]),
-            }
+        out[kind] = _by_arm([r for r in rows if r["kind"] == kind])
+    return out
+
+
+def summarize_by_class(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """plan class -> arm -> summary, whatever the workload's labels (``semkv.plan_class``).
+
+    A class holds the targets whose realized request was planned in it: their strategy rows
+    of that class, and their cold and fp8-floor rows (which have no plan), so that each class
+    is read against the floor of its own targets. Negatives that were served count too.
+    """
+    classes: dict[str, set[str]] = {}
+    for r in rows:
+        if r.get("plan_class") and r["served"]:
+            classes.setdefault(r["plan_class"], set()).add(r["target"])
+    return {c: _by_arm([r for r in rows if r["target"] in targets
+                        and (r["arm"] not in STRATEGIES or r.get("plan_class") == c)])
+            for c, targets in sorted(classes.items())}
+
+
+def _by_arm(group: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for arm in sorted({r["arm"] for r in group}, key=_arm_order):
+        rs = [r for r in group if r["arm"] == arm]
+        served = [r for r in rs if r["served"] or arm == COLD]
+        divs = [r for r in served if r["first_divergence"] is not None]
+        near = [r for r in divs if (r["cold_margin_at_divergence"] or 0.0) < NEAR_TIE]
+        out[arm] = {
+            "targets": len(rs), "served": len(served),
+            "prompt_tokens_median": _median([r["prompt_tokens"] for r in rs]),
+            "donor_fraction_median": _median([r["donor_fraction"] for r in served]),
+            "recomputed_fraction_mean": _mean([r["recomputed"] / r["prompt_tokens"]
+                                               for r in served]),
+            "computed_fraction_mean": _mean([
+                (r["recomputed"] + r["computed_in_span"]) / r["prompt_tokens"]
+                for r in served]),
+            "speedup_median": _median([r["speedup"] for r in served]),
+            "rouge_l_median": _median([r["rouge_l"] for r in served]),
+            "rouge_l_mean": _mean([r["rouge_l"] for r in served]),
+            "exact_match_rate": (sum(r["exact_match"] for r in served) / len(served)
+                                 if served else None),
+            "divergences": len(divs), "divergences_near_tie": len(near),
+            "divergence_margins": sorted(round(r["cold_margin_at_divergence"], 3)
+                                         for r in divs
+                                         if r["cold_margin_at_divergence"] is not None),
+            "kl_mean": _mean([r["kl_mean"] for r in served]),
+            "kl_median": _median([r["kl_mean"] for r in served]),
+            "logprob_delta_mean": _mean([r["logprob_delta"] for r in served]),
+            "response_cache_rouge_l_median": _median(
+                [r["response_cache_rouge_l"] for r in served]),
+        }
     return out
 
 
@@ -137,20 +160,12 @@ def markdown(result: dict[str, Any]) -> str:
              f"{cfg['max_tokens']} greedy tokens, {cfg['clusters_per_type']} clusters per "
              f"kind, cores `{cfg['cores']}`; {result['machine']}; wall "
              f"{result['wall_s'] / 60:.1f} min.", ""]
-    header = ["kind", "arm", "served", "prompt", "from donors", "recomputed", "TTFT vs cold",
-              "ROUGE-L med", "exact", "divergences (near-tie)", "KL mean", "KL med",
-              "Δ log-lik", "resp. cache"]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for kind, arms in result["summary"].items():
-        for arm, s in arms.items():
-            lines.append("| " + " | ".join([
-                kind, arm, f"{s['served']}/{s['targets']}", _f(s["prompt_tokens_median"], ".0f"),
-                _f(s["donor_fraction_median"], ".0%"), _f(s["recomputed_fraction_mean"], ".0%"),
-                _f(s["speedup_median"], ".2f") + "x", _f(s["rouge_l_median"]),
-                _f(s["exact_match_rate"], ".0%"),
-                f"{s['divergences']} ({s['divergences_near_tie']})", _f(s["kl_mean"], ".4f"),
-                _f(s["kl_median"], ".4f"), _f(s["logprob_delta_mean"], ".3f"),
-                _f(s["response_cache_rouge_l_median"])]) + " |")
+    lines += _summary_table("kind", result["summary"])
+    by_class = summarize_by_class(result["rows"])
+    if by_class:
+        lines += ["", "Per plan class (`semkv.plan_class`, the engine's label of each realized "
+                      "plan's shape; cold and fp8-floor rows of the class's targets):", "",
+                  *_summary_table("plan class", by_class)]
     neg = result["negatives"]
     lines += ["", f"Negative controls: {neg['false_positives']} false positive(s) on "
                   f"{neg['targets']} targets; realized blocks found in the prefix cache "
@@ -159,6 +174,24 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"- `{arm}`: " + ("met" if c["met"] else
                                        "not met: " + "; ".join(c["reasons_off"])))
     return "\n".join(lines) + "\n"
+
+
+def _summary_table(first: str, groups: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    header = [first, "arm", "served", "prompt", "from donors", "recomputed", "TTFT vs cold",
+              "ROUGE-L med", "exact", "divergences (near-tie)", "KL mean", "KL med",
+              "Δ log-lik", "resp. cache"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for group, arms in groups.items():
+        for arm, s in arms.items():
+            lines.append("| " + " | ".join([
+                group, arm, f"{s['served']}/{s['targets']}",
+                _f(s["prompt_tokens_median"], ".0f"), _f(s["donor_fraction_median"], ".0%"),
+                _f(s["recomputed_fraction_mean"], ".0%"), _f(s["speedup_median"], ".2f") + "x",
+                _f(s["rouge_l_median"]), _f(s["exact_match_rate"], ".0%"),
+                f"{s['divergences']} ({s['divergences_near_tie']})", _f(s["kl_mean"], ".4f"),
+                _f(s["kl_median"], ".4f"), _f(s["logprob_delta_mean"], ".3f"),
+                _f(s["response_cache_rouge_l_median"])]) + " |")
+    return lines
 
 
 def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:

@@ -88,13 +88,14 @@ def markdown(result: dict[str, Any]) -> str:
               "Tokens summed over the cluster type's targets (share of their prompt tokens): "
               "served from donors (of which shifted to new positions), computed by the worker "
               "inside the external span, computed by vLLM after it (the rest: vLLM's own local "
-              "prefix hit, in bench.json). TTFT ratios are medians "
-              "paired per prompt (> 1: faster than the reference). Response cache: the best "
-              "cold answer of the target's labelled donors.", "",
-              *_table(["arm", "cluster type", "targets", "hits", "realized", "from donors",
-                       "shifted", "computed in span", "computed by vLLM", "TTFT vs own miss",
-                       "vs exact arm", "realize ms med", "exact match", "ROUGE-L med",
-                       "resp. cache EM", "resp. cache ROUGE-L", "FP rate"],
+              "prefix hit, in bench.json); plan classes: realized requests per class of their "
+              "plan's shape (`semkv.plan_class`). TTFT ratios are medians paired per prompt "
+              "(> 1: faster than the reference). Response cache: the best cold answer of the "
+              "target's labelled donors.", "",
+              *_table(["arm", "cluster type", "targets", "hits", "realized", "plan classes",
+                       "from donors", "shifted", "computed in span", "computed by vLLM",
+                       "TTFT vs own miss", "vs exact arm", "realize ms med", "exact match",
+                       "ROUGE-L med", "resp. cache EM", "resp. cache ROUGE-L", "FP rate"],
                       _span_rows(arms))]
     lines += ["", "### Targets", ""] + _targets_md(result["targets"])
     return "\n".join(lines) + "\n"
@@ -113,6 +114,7 @@ def _span_rows(arms: dict[str, Any]) -> list[list[str]]:
             total = k["prompt_tokens"]
             rows.append([
                 name, kind, str(k["targets"]), str(k["hits"]), str(k["realized"]),
+                ", ".join(f"{c} {n}" for c, n in k.get("plan_classes", {}).items()) or "–",
                 _share(k["donor_tokens"], total), _share(k["span_shifted_tokens"], total),
                 _share(k["span_computed_tokens"], total), _share(k["vllm_computed_tokens"], total),
                 _f(k["speedup_vs_own_miss_median"], ".2f", "x"),

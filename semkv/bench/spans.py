@@ -11,6 +11,9 @@ loaded), never from the plan the scheduler made: a plan that failed midway is re
 and counts as vLLM's. For exact and token-swap hits (no span plan) every loaded token is a donor
 token and nothing is computed inside the span.
 
+Each realized request also carries its plan's class (``semkv.plan_class``, from the provenance
+summary), counted per cluster type.
+
 Comparisons per cluster type: TTFT against the same arm's own miss of the same prompt (free of
 engine-to-engine drift, as the speed table's "vs own miss"), TTFT against the exact tier's arm
 on the same prompt, quality against cold, and the response-cache baseline (the best cold
@@ -20,6 +23,7 @@ answer any labelled donor of the target gave, scored against the target's cold a
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from typing import Any
 
 from semkv.bench.results import Run
@@ -44,6 +48,7 @@ def span_fields(run: Run, loaded: int, exact_run: Run | None) -> dict[str, Any]:
         "vllm_computed_tokens": run.prompt_tokens - local - loaded,
         "span_donors": int(plan.get("donors") or 0),
         "span_segments": int(plan.get("segments") or 0),
+        "plan_class": plan.get("class"),  # semkv.plan_class; None: no realized span
         "realize_s": run.delta.get(f"{REALIZE}:sum") or None,
         "exact_arm_ttft_s": exact_run.ttft_s if exact_run is not None else None,
         # > 1: this arm's first token came sooner than the exact tier's on the same prompt
@@ -71,6 +76,10 @@ def span_by_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         out[kind] = {
             "targets": len(rs), "hits": sum(r["hit"] for r in rs),
             "realized": sum(r.get("span_copied_tokens", 0) > 0 for r in rs),
+            # realized requests per plan class (the engine's label of the plan's shape)
+            "plan_classes": dict(sorted(Counter(
+                r["plan_class"] for r in rs
+                if r.get("plan_class") and r.get("span_copied_tokens", 0) > 0).items())),
             "prompt_tokens": sum(r["prompt_tokens"] for r in rs),
             **{key: sum(r.get(key, 0) for r in rs)
                for key in ("local_prefix_tokens", "donor_tokens", "span_shifted_tokens",
