@@ -56,6 +56,8 @@ FAMILIES: dict[str, tuple[str | None, str]] = {
     "span_tokens": ("kind", "Realized spans' tokens (worker-confirmed): copied from donors, of "
                             "which shifted (keys re-rotated), computed inside the span, and "
                             "copied tokens recomputed through every layer."),
+    "realized_spans": ("class", "Requests served from a realized span (worker-confirmed), by "
+                                "the class of its plan's shape (semkv.plan_class)."),
 }
 GAUGES: dict[str, str] = {
     "donor_store_bytes": "Bytes of donor KV held in the store.",

@@ -33,6 +33,7 @@ from semkv_vllm import span_admission  # noqa: E402
 from semkv_vllm.page_layout import PageLayout, backend_writer  # noqa: E402
 from semkv_vllm.realization import FAULT_AFTER_LAYERS, SpanRealizer  # noqa: E402
 
+from semkv.plan_class import plan_class  # noqa: E402
 from semkv.realize.recompute import RecomputeKind, RecomputeStrategy  # noqa: E402
 from semkv.span_plan import SpanPlan, SpanSegment  # noqa: E402
 from tests.engine_utils import (  # noqa: E402
@@ -218,6 +219,8 @@ def test_copies_at_their_own_positions_plus_gaps_equal_cold(llm, recorder):
     plan, _, _ = recorder.take()
     assert plan.copied_tokens >= 256 and plan.shifted_tokens == 0 and plan.computed_tokens > 0
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    # one donor's runs in its order, more copied than computed (semkv.plan_class)
+    assert s["span"]["class"] == "one_donor_in_order" == plan_class(plan), s["span"]
 
 
 @pytest.fixture(scope="module")
@@ -239,12 +242,13 @@ def test_shifted_multi_donor_realization_runs_end_to_end(llm, rag):
     assert s["confirmed_loaded_tokens"] == s["external_tokens"] == plan.num_tokens
     assert len(plan.donors) >= 2 and plan.shifted_tokens >= 256 and plan.computed_tokens > 0
     # what the request's provenance reports (this module's engine recomputes nothing by default)
-    assert s["span"] == {**plan.summary(), "recomputed": 0}
+    assert s["span"] == {**plan.summary(), "recomputed": 0, "class": "multi_donor"}
     assert plan.copied_tokens >= 0.5 * len(rag["warm"].prompt_token_ids)
     delta = rag["delta"]
     assert delta["vllm:semkv_span_tokens:copied"] == plan.copied_tokens
     assert delta["vllm:semkv_span_tokens:shifted"] == plan.shifted_tokens
     assert delta["vllm:semkv_span_tokens:computed"] == plan.computed_tokens
+    assert delta["vllm:semkv_realized_spans:multi_donor"] == 1
     # REQUEST_ONLY: the realized blocks never became prefix-cache state
     again = summary(run(llm, rag["target"], max_tokens=1))
     assert again["local_prefix_tokens"] == 0, "a realized block was committed"

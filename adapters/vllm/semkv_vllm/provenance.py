@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from semkv.metrics import CounterBag
+from semkv.plan_class import plan_class
 from semkv.types import FallbackReason, Provenance, QualityTier, SemanticKVMatch
 from semkv_vllm.request_state import RequestState
 
@@ -41,6 +42,8 @@ def account(stats: CounterBag, st: RequestState) -> dict[str, Any]:
                    else Provenance.REQUEST_ONLY_SEMANTIC_REUSE)
         stats.inc("materialize_success", tier)
         stats.inc("external_tokens", tier, d.external_prefix_tokens)
+        if st.span is not None:
+            stats.inc("realized_spans", plan_class(st.span.plan))
         reason = None
     else:
         if st.load_failed and not st.errored:  # under policy fail vLLM computes nothing
@@ -75,8 +78,9 @@ def account(stats: CounterBag, st: RequestState) -> dict[str, Any]:
         # served tokens identical to the target's own (1.0 for exact/verified hits)
         "similarity": d.similarity if d is not None and tier is not None else None,
         # a realized span: tokens copied (of which shifted and recomputed), computed inside it,
-        # donors used
-        "span": ({**st.span.plan.summary(), "recomputed": st.recomputed_tokens}
+        # donors used, the class of its plan (semkv.plan_class)
+        "span": ({**st.span.plan.summary(), "recomputed": st.recomputed_tokens,
+                  "class": str(plan_class(st.span.plan))}
                  if st.span is not None and tier is not None else None),
     }
 
