@@ -262,12 +262,14 @@ def test_another_replicas_donor_is_fetched_into_host_slots_bit_identical(lmcache
     assert result["identical"]
 
 
-def _realize_child(role: str, data: Path, out: Path, url: str | None = None,
-                   redis: RedisServer | None = None) -> dict:
-    """One vLLM process of tests/lmcache_realize_child.py, in its own group, always reaped."""
-    args = [sys.executable, "-m", "tests.lmcache_realize_child", role, str(data), str(out)]
-    if url is not None and redis is not None:
-        args += [url, redis.url]
+def _realize_child(role: str | None, data: Path, out: Path, url: str | None = None,
+                   redis: RedisServer | None = None, *,
+                   module: str = "tests.lmcache_realize_child") -> dict:
+    """One vLLM process of ``module`` (tests/lmcache_realize_child.py; ``role`` None: a child
+    without roles), in its own group, always reaped."""
+    args = [sys.executable, "-m", module, *([role] if role else []), str(data), str(out)]
+    if url is not None:
+        args += [url, *([redis.url] if redis is not None else [])]
     proc = subprocess.Popen(args, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     try:
@@ -278,7 +280,7 @@ def _realize_child(role: str, data: Path, out: Path, url: str | None = None,
         except ProcessLookupError:
             pass
     out.with_suffix(".log").write_bytes(logs)  # kept beside the result, for a failing assert
-    assert proc.returncode == 0, f"{role} process failed ({proc.returncode}):\n" + (
+    assert proc.returncode == 0, f"{role or module} process failed ({proc.returncode}):\n" + (
         logs.decode(errors="replace")[-4000:])
     return json.loads(out.read_text())
 
