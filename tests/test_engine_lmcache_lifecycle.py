@@ -90,8 +90,11 @@ def test_abort_mid_realization_and_stalled_fetch_with_lmcache(lmcache_url, tmp_p
     assert stall["delta"].get("vllm:semkv_transfer_timeouts", 0) == 1, stall["delta"]
     assert DEADLINE_S <= stall["open_seconds"] < DEADLINE_S + 10, stall["open_seconds"]
     assert stall["tokens"] == r["cold"]
-    # NOTE: not asserted: the stalled retrieves stay in the worker's fetcher, their slots
-    # fenced, so the next fetch into them waits behind them and that request falls back too
-    # (``after_stall``, printed above; reported in #26).
     held = {k: v for k, v in stall["held"].items() if k != "fetches_in_flight"}
     assert held == {k: v for k, v in NOTHING.items() if k != "fetches_in_flight"}, held
+    # ... and once LMCache's reports come through again, the stalled retrieves unfence their
+    # slots: the same target is realized again (none of its fetches waits behind them)
+    after = r["after_stall"]
+    assert after["semkv"]["provenance"] == "request_only_semantic_reuse", after["semkv"]
+    assert after["delta"].get("vllm:semkv_transfer_timeouts", 0) == 0, after["delta"]
+    assert after["held"] == NOTHING, after["held"]

@@ -141,6 +141,7 @@ class ScriptedRetrieveAdapter:
     def __init__(self) -> None:
         self.submitted: list[str] = []
         self._finishing: set[str] = set()
+        self.hold = False  # True: nothing finishes (a retrieve still running)
 
     def submit_retrieve_request(self, request_id: str, op: object, event: object,
                                 cache_salt: str = "") -> None:
@@ -148,6 +149,8 @@ class ScriptedRetrieveAdapter:
         self._finishing.add(request_id)
 
     def get_finished(self, finished: set[str]) -> tuple[set[str], set[str]]:
+        if self.hold:
+            return set(), set()
         done, self._finishing = self._finishing, set()
         return set(), done
 
@@ -163,8 +166,9 @@ def _fetcher(adapter: ScriptedRetrieveAdapter):
     pytest.importorskip("lmcache", reason="needs lmcache (make test installs it)")
     fetcher = HostFetcher.__new__(HostFetcher)  # without its LMCache connector (needs a server)
     fetcher.connector = SimpleNamespace(worker_adapter=adapter)
-    fetcher.block_size, fetcher.wait_s = BS, 0.05
-    fetcher._in_flight, fetcher._queued = {}, []
+    fetcher.block_size, fetcher.wait_s, fetcher.timeout_s = BS, 0.05, 30.0
+    fetcher._in_flight, fetcher._queued, fetcher._sent_at, fetcher._stalled = {}, [], {}, set()
+    fetcher._early = []
     return fetcher
 
 
@@ -178,9 +182,11 @@ def test_a_fetch_into_slots_an_abandoned_fetch_still_writes_is_queued_never_wait
     new = FetchOp("new", [2] * 64, 64, [1, 2], [2, 1])
     apart = FetchOp("apart", [3] * 32, 32, [5], [1])
     fetcher.submit(old)
+    adapter.hold = True  # "old" still running
     fetcher.submit(new)  # slot 1 overlaps: queued, not sent
     fetcher.submit(apart)  # no overlap: sent at once, even behind a queued fetch
     assert adapter.submitted == ["old", "apart"] and fetcher.busy
+    adapter.hold = False
     done, errors = fetcher.poll()  # "old" and "apart" land; "new" goes out now
     assert sorted(f.fetch_id for f in done) == ["apart", "old"] and errors == set()
     assert adapter.submitted == ["old", "apart", "new"]
@@ -214,3 +220,32 @@ def test_a_lookup_never_answered_is_closed_at_its_deadline():
     lookups.end(fetches, retrieved=False)
     lookups.settle()
     assert adapter.ended == ["a"] and adapter.freed == [] and lookups.unsettled == 0
+
+
+def test_a_fetch_behind_one_never_reported_fails_at_once(monkeypatch):
+    """A retrieve LMCache never reports keeps its slots fenced (a late write must not land in
+    another donor); a later fetch into them fails at once instead of waiting a deadline."""
+    adapter = ScriptedRetrieveAdapter()
+    fetcher = _fetcher(adapter)
+    fetcher.timeout_s = 0.0
+    adapter.get_finished = lambda finished: (set(), set())  # LMCache never answers
+    fetcher.submit(FetchOp("lost", [1] * 64, 64, [0, 1], [1, 1]))
+    with pytest.raises(TimeoutError):
+        fetcher.submit(FetchOp("next", [2] * 64, 64, [1, 2], [2, 1]))
+    fetcher.submit(FetchOp("apart", [3] * 32, 32, [5], [1]))  # other slots: unaffected
+    assert adapter.submitted == ["lost", "apart"]
+
+
+def test_stalled_reports_are_held_back_then_handed_over(monkeypatch):
+    """The stall fault delays LMCache's reports; it never loses them (or their slots)."""
+    from semkv_vllm import lmcache_fetch
+
+    adapter = ScriptedRetrieveAdapter()
+    fetcher = _fetcher(adapter)
+    monkeypatch.setenv("SEMKV_ALLOW_FAULT_INJECTION", "1")
+    monkeypatch.setenv(lmcache_fetch.FAULT_STALL_FETCHES, "1")
+    fetcher.submit(FetchOp("a", [1] * 64, 64, [0, 1], [1, 1]))
+    assert fetcher.poll() == ([], set()) and fetcher.busy
+    monkeypatch.delenv(lmcache_fetch.FAULT_STALL_FETCHES)
+    done, _ = fetcher.poll()
+    assert [f.fetch_id for f in done] == ["a"] and not fetcher.busy

@@ -170,8 +170,12 @@ class HostFetcher:
             kv_cache_config)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.wait_s = config.lookup_timeout_ms / 1000.0
+        self.timeout_s = config.transfer_timeout_s
         self._in_flight: dict[str, FetchOp] = {}
+        self._sent_at: dict[str, float] = {}  # fetch id -> when its retrieve was sent
         self._queued: list[FetchOp] = []  # behind an earlier fetch into one of their slots
+        self._stalled: set[str] = set()  # finished reports held back by fault injection
+        self._early: list[FetchOp] = []  # collected by a submit: the next poll's
 
     @property
     def adapter(self) -> Any:
@@ -182,7 +186,7 @@ class HostFetcher:
 
     @property
     def busy(self) -> bool:
-        return bool(self._in_flight or self._queued)
+        return bool(self._in_flight or self._queued or self._early)
 
     def submit(self, op: FetchOp) -> None:
         """Retrieve the donor's tokens ``[0, op.end)`` into ``op.slots`` (now, or queued behind
@@ -190,8 +194,20 @@ class HostFetcher:
         if op.end % self.block_size or len(op.slots) != op.end // self.block_size:
             raise ValueError(f"{len(op.slots)} slots for {op.end} tokens of "
                              f"{self.block_size}-token blocks")
+        self._early += self._collect()  # what has landed meanwhile no longer fences
+        if self._lost_slots().intersection(op.slots):
+            # NOTE: a retrieve LMCache has not reported past the deadline keeps its slots
+            # fenced (a late write must never land in another donor): fail now, not after
+            # waiting a whole deadline behind it.
+            raise TimeoutError("an earlier fetch into these slots was never reported")
         self._queued.append(op)
         self._send_queued()
+
+    def _lost_slots(self) -> set[int]:
+        """Slots of in-flight fetches sent more than ``transfer_timeout_s`` ago."""
+        oldest = time.monotonic() - self.timeout_s
+        return {s for fid, f in self._in_flight.items() if self._sent_at[fid] < oldest
+                for s in f.slots}
 
     def _send_queued(self) -> None:
         """Send every queued fetch whose slots no earlier fetch still writes (in order)."""
@@ -206,6 +222,7 @@ class HostFetcher:
                 load = LoadStoreOp(token_ids=list(op.token_ids), block_ids=[list(op.slots)],
                                    start=0, end=op.end)
                 self._in_flight[op.fetch_id] = op
+                self._sent_at[op.fetch_id] = time.monotonic()
                 self.adapter.submit_retrieve_request(op.fetch_id, load, None,
                                                      cache_salt=op.cache_salt)
             fenced.update(op.slots)
@@ -218,7 +235,7 @@ class HostFetcher:
         least one in-flight fetch to finish.
         """
         deadline = time.monotonic() + (self.wait_s if wait else 0.0)
-        done: list[FetchOp] = []
+        done, self._early = self._early, []
         errors: set[int] = set()
         while True:
             errors |= set(self.adapter.get_block_ids_with_load_errors())
@@ -231,9 +248,15 @@ class HostFetcher:
     def _collect(self) -> list[FetchOp]:
         """The in-flight fetches LMCache reports finished, out of ``_in_flight``."""
         _, finished = self.adapter.get_finished(set())
-        if _stall_fetches():
+        reported = self._stalled | set(finished or ())
+        if _stall_fetches():  # held back, not lost: handed over once the stall ends
+            self._stalled = reported
             return []
-        return [self._in_flight.pop(f) for f in finished or () if f in self._in_flight]
+        self._stalled = set()
+        done = [self._in_flight.pop(f) for f in sorted(reported) if f in self._in_flight]
+        for f in done:
+            self._sent_at.pop(f.fetch_id, None)
+        return done
 
     def shutdown(self) -> None:
         self.connector.shutdown()
