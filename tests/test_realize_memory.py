@@ -46,6 +46,7 @@ from semkv.realize.recompute import (  # noqa: E402
 from semkv.realize.span import place  # noqa: E402
 from semkv.research import LayerwiseModel  # noqa: E402
 from semkv.types import Candidate, FallbackReason  # noqa: E402
+from tests.tiny_model import tiny_llama  # noqa: E402
 
 ATOL = 1e-5
 SMOL = Geometry(layers=30, kv_heads=3, heads=9, head_dim=64, hidden=576, intermediate=1536,
@@ -57,16 +58,8 @@ STRATEGIES = [RecomputeStrategy(), RecomputeStrategy(RecomputeKind.FIRST_K, firs
 
 @pytest.fixture(scope="module")
 def lm() -> Iterator[LayerwiseModel]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=1024, attn_implementation="eager")
-    yield LayerwiseModel(LlamaForCausalLM(config).to(torch.float32))
-    torch.set_num_threads(threads)
+    with tiny_llama(4) as model:
+        yield model
 
 
 def _span_case(lm: LayerwiseModel) -> tuple[Any, range, list[tuple[int, int]], dict[int, int]]:

@@ -27,22 +27,15 @@ from semkv.realize.span import place  # noqa: E402
 from semkv.research import DonorStore, LayerwiseModel, Strategy, prefill  # noqa: E402
 from semkv.research.recompute import plan_of_span  # noqa: E402
 from semkv.span_plan import SpanPlan, plan_span  # noqa: E402
+from tests.tiny_model import tiny_llama  # noqa: E402
 
 BLOCK = 16
 
 
 @pytest.fixture(scope="module")
 def lm() -> Iterator[LayerwiseModel]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=1024, attn_implementation="eager")
-    yield LayerwiseModel(LlamaForCausalLM(config).to(torch.float32))
-    torch.set_num_threads(threads)
+    with tiny_llama(5) as model:
+        yield model
 
 
 def _tokens(gen: torch.Generator, n: int) -> list[int]:
