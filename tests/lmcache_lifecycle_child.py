@@ -16,7 +16,9 @@ loop bounded in steps and in seconds (a hang fails the test instead of stalling 
   realized to its end;
 - ``stall``: the target while the worker never sees a retrieve finish
   (``SEMKV_FAULT_STALL_FETCHES``): ``transfer_timeout_s`` after the op arrived it is reported
-  invalid, vLLM recomputes it.
+  invalid, vLLM recomputes it; then the target again, served;
+- ``reset``: the target realized and reset (``reset_connector=True``) while it decodes: it
+  stays request-only, so LMCache never stores any of it.
 """
 
 from __future__ import annotations
@@ -222,7 +224,25 @@ def main(in_file: str, out_file: str, url: str) -> None:
         after.drain()
         result["after_stall"] = {**after.result("after"), "held": _held(llm),
                                  "delta": _delta(llm, before)}
+        _forget(llm)
+        result["reset"] = _reset_while_decoding(llm, target)  # last: it clears the server
     Path(out_file).write_text(json.dumps(result))
+
+
+def _reset_while_decoding(llm: Any, target: list[int]) -> dict[str, Any]:
+    """The target realized, then ``reset_prefix_cache(reset_connector=True)`` while it decodes
+    (past two block boundaries, so LMCache is offered blocks to store after the reset)."""
+    from tests.engine_utils import BLOCK
+
+    s = Stepper(llm)
+    s.add("decoding", target, max_tokens=2 * BLOCK + 8)
+    s.until(lambda: "decoding" in s.outputs and len(s.outputs["decoding"].outputs[0].token_ids)
+            >= 2, "the realized target never decoded")
+    reset = llm.llm_engine.reset_prefix_cache(reset_connector=True)
+    s.drain()
+    _settle(llm)
+    return {**s.result("decoding"), "reset_ok": reset, "held": _held(llm),
+            "stored_target_tokens": _stored_prefix(llm, target)}
 
 
 if __name__ == "__main__":

@@ -98,3 +98,10 @@ def test_abort_mid_realization_and_stalled_fetch_with_lmcache(lmcache_url, tmp_p
     assert after["semkv"]["provenance"] == "request_only_semantic_reuse", after["semkv"]
     assert after["delta"].get("vllm:semkv_transfer_timeouts", 0) == 0, after["delta"]
     assert after["held"] == NOTHING, after["held"]
+
+    # (c) A reset while the realized target decodes: it stays request-only (LMCache stores
+    # none of it, not even the blocks completed after the reset)
+    reset = r["reset"]
+    assert reset["semkv"]["provenance"] == "request_only_semantic_reuse", reset["semkv"]
+    assert reset["stored_target_tokens"] == 0, reset
+    assert reset["held"] == NOTHING, reset["held"]
