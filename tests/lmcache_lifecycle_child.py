@@ -206,17 +206,20 @@ def main(in_file: str, out_file: str, url: str) -> None:
             donors.add(f"d{i}", ids, max_tokens=1)
             donors.drain()
             _wait_stored(llm, ids)
-        # Phase (a) runs under a generous deadline: an abort is tested there, not a timeout.
-        worker.spans.timeout_s = max(worker.spans.timeout_s, PHASE_SECONDS)
+        # Every phase but the stall runs under generous deadlines (the worker's ops and the
+        # scheduler's donor lookups): an abort or a reset is tested there, not a timeout on
+        # a loaded machine.
+        _deadlines(llm, PHASE_SECONDS)
         result["abort"] = _abort(llm, target, bystanders)
         again = Stepper(llm)  # the engine keeps serving: the target realized to its end
         again.add("again", target, recompute=EVERYTHING)
         again.drain()
         result["again"] = again.result("again")
         result["again_held"] = _held(llm)
-        worker.spans.timeout_s = result["worker_deadline_s"]  # transfer_timeout_s again
+        _deadlines(llm, result["worker_deadline_s"])  # transfer_timeout_s again
         _forget(llm)
         result["stall"] = _stall(llm, target)
+        _deadlines(llm, PHASE_SECONDS)
         _forget(llm)
         before = semkv_metrics(llm)
         after = Stepper(llm)  # the stall over: served again (recorded, see the test)
@@ -225,13 +228,29 @@ def main(in_file: str, out_file: str, url: str) -> None:
         result["after_stall"] = {**after.result("after"), "held": _held(llm),
                                  "delta": _delta(llm, before)}
         _forget(llm)
-        result["reset"] = _reset_while_decoding(llm, target)  # last: it clears the server
+        result["reset"] = _reset_while_decoding(llm, target, data["donors"])  # clears the server
     Path(out_file).write_text(json.dumps(result))
 
 
-def _reset_while_decoding(llm: Any, target: list[int]) -> dict[str, Any]:
+def _deadlines(llm: Any, seconds: float) -> None:
+    """Set every deadline ``transfer_timeout_s`` configured, on both sides, to ``seconds``."""
+    _, side, worker = _sides(llm)
+    worker.spans.timeout_s = seconds
+    if worker.fetcher is not None:
+        worker.fetcher.timeout_s = seconds
+    if side.fetches is not None:
+        side.fetches.timeout_s = seconds
+    if side.fetch_lookups is not None:
+        side.fetch_lookups.timeout_s = seconds
+
+
+def _reset_while_decoding(llm: Any, target: list[int],
+                          donors: list[list[int]]) -> dict[str, Any]:
     """The target realized, then ``reset_prefix_cache(reset_connector=True)`` while it decodes
-    (past two block boundaries, so LMCache is offered blocks to store after the reset)."""
+    (past two block boundaries, so LMCache is offered blocks to store after the reset).
+
+    The reset also clears the server, which keeps only what a read or write lock protects:
+    donors still held there afterwards would mean a lookup lock semkv never released."""
     from tests.engine_utils import BLOCK
 
     s = Stepper(llm)
@@ -242,7 +261,8 @@ def _reset_while_decoding(llm: Any, target: list[int]) -> dict[str, Any]:
     s.drain()
     _settle(llm)
     return {**s.result("decoding"), "reset_ok": reset, "held": _held(llm),
-            "stored_target_tokens": _stored_prefix(llm, target)}
+            "stored_target_tokens": _stored_prefix(llm, target),
+            "stored_donor_tokens": [_stored_prefix(llm, d) for d in donors]}
 
 
 if __name__ == "__main__":

@@ -104,4 +104,6 @@ def test_abort_mid_realization_and_stalled_fetch_with_lmcache(lmcache_url, tmp_p
     reset = r["reset"]
     assert reset["semkv"]["provenance"] == "request_only_semantic_reuse", reset["semkv"]
     assert reset["stored_target_tokens"] == 0, reset
+    # ... and the server's clear dropped every donor: no read lock of any phase was left
+    assert reset["stored_donor_tokens"] == [0] * len(reset["stored_donor_tokens"]), reset
     assert reset["held"] == NOTHING, reset["held"]
