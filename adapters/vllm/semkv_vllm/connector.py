@@ -19,6 +19,11 @@ NOTE: with ``donor_store: lmcache`` an embedded LMCache connector (``lmcache_sto
 and moves the KV; every hook below is forwarded to it as well. With realized spans on too, a
 second one in each worker fetches donors into semkv's host slots (``lmcache_fetch.py``); LMCache
 never stores a request semkv served request-only, and loads only what semkv took from it.
+NOTE: each request's blocks go back to vLLM once, after semkv's worker and the shared store are
+both done with them: ``update_connector_output`` rewrites the step's finished sets first
+(``finish_order.py``).
+NOTE: vLLM 0.33's sleep mode is refused (``sleep_mode.py``): semkv keeps references to the KV
+tensors it was handed.
 """
 
 from __future__ import annotations
