@@ -113,6 +113,16 @@ class SemkvConfig(BaseSettings):
         "take before its span is reported invalid and vLLM recomputes it (load_failed). A "
         "deadline for what is stuck, not a speed gate: a long prompt's realization on a "
         "busy CPU engine can take tens of seconds."))
+    gate_policy: str = Field(default="auto", min_length=1, description=(
+        "Realized spans: which plan classes are served, and how (semkv.gate_policy). auto: "
+        "the policy semkv ships for the engine's model, if any (else non-exact plans are "
+        "refused as uncertified_class and counted); a path: a policy file semkv calibrate "
+        "wrote for this model; ungated: every class, with the engine's strategy (measurement "
+        "only)."))
+    realize_min_gain: float = Field(default=1.2, ge=1.0, le=100.0, description=(
+        "Realized spans, the cost gate: the least predicted TTFT gain over a cold prefill of "
+        "the same prompt (rates the engine measured on its own prefills and realizations); "
+        "a plan predicted below it falls back (low_predicted_gain), counted."))
     provider_config: dict[str, Any] = Field(default_factory=dict)
     config_file: Path | None = Field(default=None, description="Optional YAML file.")
 

@@ -45,9 +45,12 @@ FAMILIES: dict[str, tuple[str | None, str]] = {
                                   "failed."),
     "fetch_timeouts": (None, "Realized spans refused (donor_stale) because the shared KV store "
                              "did not answer their donors' lookup within transfer_timeout_s."),
-    "realize_refused": ("reason", "Realized-span plans refused by the engine's limits: "
-                                  "tensor_parallel (realized spans run at TP=1 only), memory "
-                                  "(over realize_memory_bytes)."),
+    "realize_refused": ("reason", "Realized-span plans refused: class (the gate policy does "
+                                  "not serve the plan's class), cost (predicted gain under "
+                                  "realize_min_gain), memory (over realize_memory_bytes), "
+                                  "tensor_parallel (realized spans run at TP=1 only)."),
+    "span_refused": ("class", "Realized-span plans refused by the class, cost or memory gate, "
+                              "by the class of the plan's shape (semkv.plan_class)."),
     "transfers_cancelled": (None, "Realizations and donor fetches dropped because their "
                                   "request was aborted (its blocks are never written)."),
     "transfer_timeouts": (None, "Realizations and donor fetches past transfer_timeout_s: "

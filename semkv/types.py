@@ -58,7 +58,7 @@ class Materialization(_StrEnum):
 
 
 class FallbackReason(_StrEnum):
-    """Why a request ended in normal prefill (the sixteen reasons of DESIGN.md)."""
+    """Why a request ended in normal prefill (DESIGN.md's sixteen, and the two gates of realized spans)."""
 
     EXACT_PREFIX_SUFFICIENT = "exact_prefix_sufficient"
     PROVIDER_DISABLED = "provider_disabled"
@@ -76,6 +76,8 @@ class FallbackReason(_StrEnum):
     LOAD_FAILED = "load_failed"
     INVALID_BLOCKS = "invalid_blocks"
     RECOMPUTE_POLICY = "recompute_policy"
+    UNCERTIFIED_CLASS = "uncertified_class"  # the gate policy does not serve the plan's class
+    LOW_PREDICTED_GAIN = "low_predicted_gain"  # the cost gate: not predicted faster than cold
 
 
 class Provenance(_StrEnum):

@@ -35,12 +35,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from semkv.admission import DonorView
 from semkv.config import SemkvConfig
 from semkv.leases import LeaseTable, UnknownDonorError
 from semkv.metrics import CounterBag
+from semkv.plan_class import PlanClass, plan_class
 from semkv.realize.memory import Budget, Geometry, working_set
 from semkv.realize.recompute import RecomputeKind, RecomputeStrategy, needed_positions
 from semkv.span_plan import SpanPlan, plan_span
@@ -124,6 +125,20 @@ def plan_working_set(budget: Budget, plan: SpanPlan, recompute: RecomputeStrateg
                        chunk_tokens=budget.chunk_tokens)
 
 
+class CostGate(Protocol):
+    """Predicts a plan's TTFT gain over a cold prefill of the whole prompt (``cost_gate.py``)."""
+
+    def predicted_gain(self, plan: SpanPlan, recompute: RecomputeStrategy,
+                       prompt_tokens: int) -> float | None: ...  # None: cannot predict yet
+
+
+class ClassGate(Protocol):
+    """The gate policy by plan class (``class_gate.py``): the strategy a class is served with."""
+
+    def strategy(self, cls: PlanClass, engine: RecomputeStrategy,
+                 ) -> RecomputeStrategy | FallbackReason: ...
+
+
 class SpanAdmission:
     def __init__(self, config: SemkvConfig, block_size: int, index: StoreIndex,
                  leases: LeaseTable, keys_of: Callable[[str], list[bytes] | None], *,
@@ -138,11 +153,14 @@ class SpanAdmission:
         self.fetch_chunk = fetch_chunk
         self.budget = budget  # None: plans are not bounded here (the worker still refuses)
         self.stats = stats
+        self.cost: CostGate | None = None  # the cost gate; None: plans are not priced
+        self.classes: ClassGate | None = None  # the gate policy by class; None: ungated
 
     def plan(self, request_id: str, target: Sequence[int], local: int,
              candidates: Sequence[Candidate], view: Callable[[str], DonorView | None],
              namespace: str, exact: SemanticKVMatch | None,
              recompute: RecomputeStrategy, until: int | None = None,
+             request_recompute: bool = False,
              ) -> tuple[SemanticKVMatch, SpanHold] | FallbackReason:
         donors = {}
         for c in candidates:
@@ -163,10 +181,22 @@ class SpanAdmission:
             return FallbackReason.LOW_REUSE_TOKENS
         if exact is not None and exact.external_prefix_tokens >= plan.copied_tokens:
             return FallbackReason.EXACT_PREFIX_SUFFICIENT  # the exact match serves as much
+        cls = plan_class(plan)
+        if self.classes is not None:
+            gated = self.classes.strategy(cls, recompute)
+            if isinstance(gated, FallbackReason):
+                self._refused("class", cls)
+                return gated
+            if not request_recompute:  # a request's own recompute option wins (measurement)
+                recompute = gated
+        gain = (None if self.cost is None
+                else self.cost.predicted_gain(plan, recompute, len(target)))
+        if gain is not None and gain < self.config.realize_min_gain:
+            self._refused("cost", cls)
+            return FallbackReason.LOW_PREDICTED_GAIN
         if self.budget is not None and (
                 plan_working_set(self.budget, plan, recompute) > self.budget.memory_bytes):
-            if self.stats is not None:
-                self.stats.inc("realize_refused", "memory")
+            self._refused("memory", cls)
             return FallbackReason.ALLOCATION_FAILED  # before any lease or pin
         hold = SpanHold(plan, recompute=recompute,
                         chunk_tokens=None if self.budget is None else self.budget.chunk_tokens)
@@ -182,8 +212,14 @@ class SpanAdmission:
             local_prefix_tokens=local, external_prefix_tokens=plan.span_tokens - local,
             donor_prefix_tokens=plan.span_tokens, materialization=Materialization.ASYNC,
             quality_tier=QualityTier.VERIFIED, cache_policy=CachePolicy.REQUEST_ONLY,
-            metadata={**plan.summary(), "copy_segments": copied})
+            metadata={**plan.summary(), "copy_segments": copied,
+                      **({} if gain is None else {"predicted_gain": round(gain, 3)})})
         return match, hold
+
+    def _refused(self, reason: str, cls: PlanClass) -> None:
+        if self.stats is not None:
+            self.stats.inc("realize_refused", reason)
+            self.stats.inc("span_refused", cls.value)
 
     def _lease(self, hold: SpanHold) -> bool:
         """One lease per donor of the plan (False: a donor is gone)."""
