@@ -28,6 +28,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from semkv.config import ConfigError
 from semkv.model_identity import ModelIdentity
 from semkv.plan_class import CLASSES_VERSION, PlanClass
 from semkv.request_options import RecomputeOverride
@@ -41,7 +42,7 @@ CALIBRATE_HINT = ("run `semkv calibrate --model <folder> --out policy.json` with
                   "arguments you serve with, then set gate_policy: policy.json")
 
 
-class PolicyError(ValueError):
+class PolicyError(ConfigError):
     """A gate policy file that cannot apply (the message names the file and the field)."""
 
 

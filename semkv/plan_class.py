@@ -59,7 +59,6 @@ from typing import Protocol
 
 from semkv.span_plan import SpanPlan
 
-
 # Bumped whenever a class's definition changes: a gate policy measured under another version
 # certifies classes that no longer mean what they meant (semkv.gate_policy refuses it as stale).
 CLASSES_VERSION = 1

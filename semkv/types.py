@@ -58,7 +58,7 @@ class Materialization(_StrEnum):
 
 
 class FallbackReason(_StrEnum):
-    """Why a request ended in normal prefill (DESIGN.md's sixteen, and the two gates of realized spans)."""
+    """Why a request ended in normal prefill (DESIGN.md's sixteen; two gates of realized spans)."""
 
     EXACT_PREFIX_SUFFICIENT = "exact_prefix_sufficient"
     PROVIDER_DISABLED = "provider_disabled"

@@ -45,7 +45,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from semkv.config import SemkvConfig
 from semkv.log import get_logger
 from semkv.types import Mode
+from semkv_vllm.class_gate import ClassGate
 from semkv_vllm.commit_policy import ExternalKVCachePolicy
+from semkv_vllm.cost_gate import EngineCost
 from semkv_vllm.engine_setup import (
     build_provider,
     build_shared_store,
@@ -120,7 +122,10 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
                 fetch_lookups=self._fetch_lookups(),
                 tensor_parallel=vllm_config.parallel_config.tensor_parallel_size,
                 realize_budget=(realize_budget(self.config, vllm_config)
-                                if semantic and self.config.realize_spans else None))
+                                if semantic and self.config.realize_spans else None),
+                class_gate=(ClassGate.for_engine(self.config, vllm_config)
+                            if semantic and self.config.realize_spans else None),
+                cost_gate=EngineCost.from_vllm_config(vllm_config))
             if semantic and self.config.realize_spans and self._scheduler.tensor_parallel > 1:
                 log.warning("realized_spans_refused", why="tensor_parallel_size > 1",
                             counted_as="vllm:semkv_realize_refused_total{reason=tensor_parallel}")

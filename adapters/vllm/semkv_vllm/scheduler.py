@@ -72,7 +72,7 @@ from semkv_vllm.request_state import (
     new_request_state,
     supported,
 )
-from semkv_vllm.span_admission import SpanAdmission, strategy_of
+from semkv_vllm.span_admission import ClassGate, CostGate, SpanAdmission, strategy_of
 from semkv_vllm.span_decision import SpanDecision
 from semkv_vllm.store_index import StoreIndex
 from semkv_vllm.worker_feedback import apply_worker_meta
@@ -88,7 +88,8 @@ class SchedulerSide:
                  request_only_enforced: Callable[[], bool] = lambda: False,
                  shared_lookup: Callable[[Any, int], int | None] | None = None,
                  fetch_lookups: FetchLookups | None = None, tensor_parallel: int = 1,
-                 realize_budget: Budget | None = None) -> None:
+                 realize_budget: Budget | None = None, class_gate: ClassGate | None = None,
+                 cost_gate: CostGate | None = None) -> None:
         self.config = config
         self.bs = block_size
         self.namespace = namespace
@@ -135,6 +136,9 @@ class SchedulerSide:
                       if (self.materialize and config.realize_spans
                           and (shared_lookup is None or fetch_chunk is not None)
                           and QualityTier.VERIFIED in config.semantic_tiers) else None)
+        self.class_gate, self.cost_gate = class_gate, cost_gate
+        if self.spans is not None:
+            self.spans.classes, self.spans.cost = class_gate, cost_gate
         self.fetches = (SpanFetches(self.fetch_lookups, self.spans, self.stats,
                                     timeout_s=config.transfer_timeout_s)
                         if self.spans is not None and self.fetch_lookups is not None else None)

@@ -11,9 +11,11 @@ Called from ``SchedulerSide._decide`` with the request's candidates and the admi
 
 NOTE: with realization on, one donor's KV is never laid over differing target tokens: a
 non-exact single-donor match that no plan beats falls back.
-NOTE: a plan the engine's own limits refuse (``realize_memory_bytes``: ``allocation_failed``;
-tensor parallelism: ``unsupported_request``) is reported as that refusal, counted in
-``realize_refused``, not as the admission's reason for the single-donor match.
+NOTE: a plan the gate policy does not serve (``uncertified_class``), the cost gate prices under
+``realize_min_gain`` (``low_predicted_gain``) or the engine's own limits refuse
+(``realize_memory_bytes``: ``allocation_failed``; tensor parallelism: ``unsupported_request``)
+is reported as that refusal, counted in ``realize_refused``, not as the admission's reason for
+the single-donor match.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ from semkv_vllm.request_state import RequestState
 
 if TYPE_CHECKING:
     from semkv_vllm.scheduler import SchedulerSide
+
+
+_GATED = frozenset({FallbackReason.ALLOCATION_FAILED, FallbackReason.UNCERTIFIED_CLASS,
+                    FallbackReason.LOW_PREDICTED_GAIN})
 
 
 class SpanDecision:
@@ -43,8 +49,9 @@ class SpanDecision:
         planned = (refusal if refusal is not None else side.spans.plan(
             rid, st.request.all_token_ids, local, candidates, self.span_view,
             st.namespace.digest, exact, st.recompute,
-            st.options.reuse_until if st.options is not None else None))
-        engine_refused = planned is FallbackReason.ALLOCATION_FAILED  # realize_memory_bytes
+            st.options.reuse_until if st.options is not None else None,
+            request_recompute=st.options is not None and st.options.recompute is not None))
+        engine_refused = planned in _GATED  # the request falls back as the gate's reason
         if not isinstance(planned, FallbackReason) and side.tensor_parallel > 1:
             side.spans.release(planned[1])
             side.stats.inc("realize_refused", "tensor_parallel")

@@ -1,0 +1,102 @@
+"""The gate policy by plan class, on the engine (issue #24, item 3).
+
+Built once by the connector's scheduler side from the ``gate_policy`` key
+(``semkv.gate_policy.resolve_policy``) and the engine's model identity: the model folder vLLM
+loads (a Hugging Face id resolves to its local snapshot), the dtype and the KV-cache dtype.
+
+``ClassGate.strategy(cls, engine)`` is what ``SpanAdmission.plan`` asks for each plan:
+
+- the policy serves ``cls``: the engine's strategy with the class's strategy laid over it;
+- it does not, or there is no policy for this model: ``uncertified_class`` (counted by the
+  caller, ``realize_refused{reason=class}``);
+- ``gate_policy: ungated``: the engine's strategy, every class.
+
+NOTE: a ``gate_policy`` file that does not parse, is stale, or names another model raises
+``PolicyError`` here, at start-up, naming the file and the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from semkv.config import SemkvConfig
+from semkv.gate_policy import CALIBRATE_HINT, UNGATED, GatePolicy, resolve_policy
+from semkv.log import get_logger
+from semkv.model_identity import ModelIdentity, ModelIdentityError, model_identity
+from semkv.plan_class import PlanClass
+from semkv.realize.recompute import RecomputeStrategy
+from semkv.types import FallbackReason
+
+log = get_logger("semkv.vllm.class_gate")
+
+
+def _text(value: Any) -> str:
+    return str(value).removeprefix("torch.")
+
+
+def model_folder(model: str, revision: str | None) -> Path | None:
+    """The local folder of ``model``: itself, or its Hugging Face snapshot if cached."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception:  # noqa: BLE001 - no local snapshot: the model has no identity here
+        return None
+
+
+def engine_identity(vllm_config: Any) -> ModelIdentity | None:
+    """The identity of the model this engine serves (None: its folder cannot be read)."""
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    folder = model_folder(str(mc.model), getattr(mc, "revision", None))
+    if folder is None:
+        return None
+    try:
+        return model_identity(folder, dtype=_text(mc.dtype), kv_cache_dtype=_text(cc.cache_dtype))
+    except ModelIdentityError as exc:
+        log.warning("gate_policy_no_model_identity", why=str(exc))
+        return None
+
+
+class ClassGate:
+    def __init__(self, policy: GatePolicy | None, source: str, *, ungated: bool = False) -> None:
+        self.policy, self.source, self.ungated = policy, source, ungated
+
+    @classmethod
+    def from_config(cls, config: SemkvConfig, identity: ModelIdentity | None) -> ClassGate:
+        policy, source = resolve_policy(config.gate_policy, identity)
+        gate = cls(policy, source, ungated=config.gate_policy == UNGATED)
+        if gate.ungated:
+            log.warning("gate_policy_ungated", served="every plan class",
+                        note="measurement only: semkv calibrate, semkv bench --preset frontier")
+        elif policy is None:
+            log.warning("gate_policy_none", why=source,
+                        counted_as="vllm:semkv_realize_refused_total{reason=class}",
+                        how=CALIBRATE_HINT)
+        else:
+            log.info("gate_policy_loaded", source=source,
+                     served=[c.value for c in policy.served_classes()])
+        return gate
+
+    @classmethod
+    def for_engine(cls, config: SemkvConfig, vllm_config: Any) -> ClassGate:
+        ungated = config.gate_policy == UNGATED
+        return cls.from_config(config, None if ungated else engine_identity(vllm_config))
+
+    def served(self, cls: PlanClass) -> bool:
+        return self.ungated or bool(self.policy and (r := self.policy.rule(cls)) and r.served)
+
+    def strategy(self, cls: PlanClass, engine: RecomputeStrategy,
+                 ) -> RecomputeStrategy | FallbackReason:
+        if self.ungated:
+            return engine
+        rule = self.policy.rule(cls) if self.policy is not None else None
+        if rule is None or not rule.served or rule.strategy is None:
+            return FallbackReason.UNCERTIFIED_CLASS
+        fields = rule.strategy.model_dump(exclude_none=True)
+        fields["kind"] = fields.pop("strategy")
+        return replace(engine, **fields)
