@@ -63,7 +63,8 @@ def engine_arm(config: BenchConfig, donors_per_target: int) -> Arm:
                                    block_size=config.block_size)
     extra = {"semantic_mode": "materialize_semantic", "provider": "minhash",
              "semantic_tiers": ["verified"], "realize_spans": True, "request_options": True,
-             "donor_store_bytes": store, "provider_config": {"threshold": 0.1}}
+             "donor_store_bytes": store, "provider_config": {"threshold": 0.1},
+             "gate_policy": "ungated"}  # every class measured: the frontier certifies them
     return Arm(name="frontier", mode="materialize_semantic", provider="minhash", extra=extra,
                commit_policy=True)
 
