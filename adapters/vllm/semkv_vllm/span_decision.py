@@ -51,7 +51,8 @@ class SpanDecision:
             st.namespace.digest, exact, st.recompute,
             st.options.reuse_until if st.options is not None else None,
             request_recompute=st.options is not None and st.options.recompute is not None))
-        engine_refused = planned in _GATED  # the request falls back as the gate's reason
+        # the request falls back as the gate's reason (a plan is a tuple: not hashable)
+        engine_refused = isinstance(planned, FallbackReason) and planned in _GATED
         if not isinstance(planned, FallbackReason) and side.tensor_parallel > 1:
             side.spans.release(planned[1])
             side.stats.inc("realize_refused", "tensor_parallel")
