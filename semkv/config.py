@@ -60,15 +60,20 @@ class SemkvConfig(BaseSettings):
                                            description="Verified tier: fewest tokens.")
     semantic_min_reuse_tokens: int = Field(default=512, ge=1,
                                            description="Semantic tier: fewest tokens.")
-    # Off by default: neither non-exact tier beat the response-cache baseline clearly in the
-    # quality benchmark (docs/semantic-tier.md has the numbers). Operators opt in per tier.
+    # The verified tier by default: realized spans, served only for the plan classes the gate
+    # policy certifies for the engine's model (gate_policy). The semantic tier (one donor's KV
+    # over differing tokens) measured at the response-cache baseline (docs/semantic-tier.md):
+    # experimental, never on unless named here.
     semantic_tiers: frozenset[QualityTier] = Field(
-        default=frozenset(),
-        description="Non-exact tiers materialize_semantic may load (exact is always allowed).")
+        default=frozenset({QualityTier.VERIFIED}),
+        description=("Non-exact tiers materialize_semantic may load (exact is always allowed): "
+                     "verified (realized spans, gated by class); semantic is experimental."))
     realize_spans: bool = Field(default=True, description=(
         "materialize_semantic's verified tier realizes the span: identical tokens copied from "
         "one or more donors (keys re-rotated), every other span token computed through the "
-        "engine's model between engine steps. False: one donor's KV over the span (token swap)."))
+        "engine's model between engine steps, served for the classes gate_policy certifies. "
+        "False (experimental, no class gate): one donor's KV over the span (token swap), "
+        "measured at the response-cache baseline."))
     # Selective recompute inside a realized span (semkv.realize.recompute). first_k (k 16): on
     # the measured frontier (docs/frontier.md) the cheapest strategy at the fp8-KV floor's mean
     # KL for cross-instruction and paraphrased lead-in reuse, 4.6x TTFT at 1K tokens.

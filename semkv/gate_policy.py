@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 from semkv.config import ConfigError
 from semkv.model_identity import ModelIdentity
@@ -67,7 +67,7 @@ class Measured(_Strict):
 
 
 class ClassRule(_Strict):
-    served: bool
+    served: StrictBool
     strategy: RecomputeOverride | None = None
     measured: Measured | None = None
     reason: str = ""

@@ -12,8 +12,10 @@ key is a digest of what determines the KV the model writes:
   70B checkpoint is read in milliseconds, not hashed whole;
 - the compute dtype and the KV-cache dtype the engine runs with.
 
-NOTE: the digest reads the folder only; it never loads weights. An unreadable folder raises
-``ModelIdentityError`` naming what is missing.
+NOTE: the digest reads the folder only; it never loads weights. An edit confined to bytes
+between the sampled windows (with the same header) is not seen: the identity tells models
+apart, it is not an integrity check.
+NOTE: an unreadable folder raises ``ModelIdentityError`` naming what is missing.
 """
 
 from __future__ import annotations

@@ -1,0 +1,169 @@
+"""Gate policies (issue #24, item 3): model identity, the file's checks, the class gate.
+
+No engine: the policy files are read and checked as the connector's start-up reads them; the
+bundled model's folder is the real converted model (its identity, never its weights, is read).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from semkv.bundled_model import ensure_model
+from semkv.config import ConfigError, SemkvConfig
+from semkv.gate_policy import (
+    SHIPPED,
+    PolicyError,
+    check_model,
+    read_policy,
+    resolve_policy,
+    shipped_policy,
+)
+from semkv.model_identity import ModelIdentityError, model_identity
+from semkv.plan_class import CLASSES_VERSION, PlanClass
+from semkv.realize.recompute import RecomputeKind, RecomputeStrategy
+from semkv.types import FallbackReason
+from semkv_vllm.class_gate import ClassGate
+
+BUNDLED = "smollm2-135m-instruct-float32.json"
+
+
+@pytest.fixture(scope="module")
+def bundled_identity():  # noqa: ANN201
+    return model_identity(ensure_model(), dtype="float32", kv_cache_dtype="auto")
+
+
+@pytest.fixture
+def policy_data() -> dict:
+    return json.loads((SHIPPED / BUNDLED).read_text())
+
+
+def _write(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_the_shipped_policy_is_the_bundled_models(bundled_identity) -> None:  # noqa: ANN001
+    found = shipped_policy(bundled_identity)
+    assert found is not None, f"no shipped policy for {bundled_identity.describe()}"
+    policy, path = found
+    assert path.name == BUNDLED
+    assert policy.served_classes() == [PlanClass.ONE_DONOR_IN_ORDER]
+    assert set(policy.classes) == set(PlanClass)  # every class has a rule and a reason
+    assert all(rule.reason for rule in policy.classes.values())
+
+
+def test_identity_follows_content_not_folder(tmp_path: Path, bundled_identity) -> None:  # noqa: ANN001
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(ensure_model(), moved)
+    assert model_identity(moved, dtype="float32", kv_cache_dtype="auto") == bundled_identity
+    config = json.loads((moved / "config.json").read_text())
+    config["_name_or_path"] = "/some/other/place"  # a path is not identity
+    (moved / "config.json").write_text(json.dumps(config))
+    assert model_identity(moved, dtype="float32", kv_cache_dtype="auto") == bundled_identity
+    # the KV dtype, the compute dtype, the config and the weights are
+    assert model_identity(moved, dtype="float32", kv_cache_dtype="fp8").digest != \
+        bundled_identity.digest
+    assert model_identity(moved, dtype="bfloat16", kv_cache_dtype="auto").digest != \
+        bundled_identity.digest
+    config["rope_theta"] = float(config.get("rope_theta", 10000.0)) * 2
+    (moved / "config.json").write_text(json.dumps(config))
+    other_config = model_identity(moved, dtype="float32", kv_cache_dtype="auto")
+    assert other_config.digest != bundled_identity.digest
+    shutil.copy(ensure_model() / "config.json", moved / "config.json")
+    weights = moved / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    for i in range(start, len(data), 4096):  # a fine-tune: every tensor moves, same header
+        data[i] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert model_identity(moved, dtype="float32", kv_cache_dtype="auto").digest != \
+        bundled_identity.digest
+
+
+def test_identity_of_a_folder_without_weights_names_it(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelIdentityError, match="no weight files"):
+        model_identity(tmp_path, dtype="float32", kv_cache_dtype="auto")
+    with pytest.raises(ModelIdentityError, match="config.json"):
+        model_identity(tmp_path / "missing", dtype="float32", kv_cache_dtype="auto")
+
+
+def test_a_policy_file_round_trips(tmp_path: Path, policy_data: dict, bundled_identity) -> None:  # noqa: ANN001
+    path = _write(tmp_path, policy_data)
+    policy, source = resolve_policy(str(path), bundled_identity)
+    assert policy is not None and source == str(path)
+    assert policy.rule(PlanClass.ONE_DONOR_IN_ORDER).served  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("edit", "field"), [
+    (lambda d: d["classes"]["one_donor_in_order"].update(served="yes"),
+     "classes.one_donor_in_order.served"),
+    (lambda d: d["classes"]["multi_donor"].update(served=True, strategy=None),
+     "classes.multi_donor"),
+    (lambda d: d["classes"].update(two_donors={"served": False}), "classes.two_donors"),
+    (lambda d: d["model"].pop("digest"), "model.digest"),
+    (lambda d: d.update(min_samples=0), "min_samples"),
+    (lambda d: d.update(surprise=1), "surprise"),
+    (lambda d: d.update(classes_version=CLASSES_VERSION + 1), "classes_version"),
+    (lambda d: d.update(version=0), "version"),
+])
+def test_a_malformed_or_stale_policy_names_the_file_and_field(
+        tmp_path: Path, policy_data: dict, edit, field: str, bundled_identity) -> None:  # noqa: ANN001
+    edit(policy_data)
+    path = _write(tmp_path, policy_data)
+    with pytest.raises(PolicyError) as err:
+        resolve_policy(str(path), bundled_identity)
+    assert str(path) in str(err.value) and field in str(err.value)
+    assert isinstance(err.value, ConfigError)  # a start-up config error like any other
+
+
+def test_not_json_and_missing_files_name_the_file(tmp_path: Path, bundled_identity) -> None:  # noqa: ANN001
+    bad = tmp_path / "p.json"
+    bad.write_text("{not json")
+    with pytest.raises(PolicyError, match="not JSON"):
+        read_policy(bad)
+    with pytest.raises(PolicyError, match="cannot read"):
+        resolve_policy(str(tmp_path / "absent.json"), bundled_identity)
+
+
+@pytest.mark.parametrize("field", ["digest", "dtype", "kv_cache_dtype"])
+def test_a_policy_for_another_model_is_refused(tmp_path: Path, policy_data: dict,
+                                               field: str, bundled_identity) -> None:  # noqa: ANN001
+    policy_data["model"][field] = "0" * 32 if field == "digest" else "float16"
+    path = _write(tmp_path, policy_data)
+    with pytest.raises(PolicyError, match=rf"model\.{field}.*another model's.*semkv calibrate"):
+        check_model(read_policy(path), bundled_identity, path)
+
+
+def test_auto_without_a_shipped_policy_serves_no_class(tmp_path: Path, bundled_identity) -> None:  # noqa: ANN001
+    other = bundled_identity.__class__("f" * 32, "llama/X", "float32", "auto")
+    gate = ClassGate.from_config(SemkvConfig.load({}), other)
+    assert gate.policy is None and "ships no gate policy" in gate.source
+    engine = RecomputeStrategy()
+    for cls in PlanClass:
+        assert gate.strategy(cls, engine) is FallbackReason.UNCERTIFIED_CLASS
+
+
+def test_the_class_gate_lays_the_classes_strategy_over_the_engines(bundled_identity) -> None:  # noqa: ANN001
+    gate = ClassGate.from_config(SemkvConfig.load({}), bundled_identity)
+    engine = RecomputeStrategy(RecomputeKind.BLEND, fraction=0.3, first_k=4, probe_layers=3)
+    served = gate.strategy(PlanClass.ONE_DONOR_IN_ORDER, engine)
+    assert served == RecomputeStrategy(RecomputeKind.FIRST_K, fraction=0.3, first_k=16,
+                                       probe_layers=3)
+    for cls in (PlanClass.MULTI_DONOR, PlanClass.ONE_DONOR_REORDERED, PlanClass.GAP_DOMINATED):
+        assert gate.strategy(cls, engine) is FallbackReason.UNCERTIFIED_CLASS
+    ungated = ClassGate.from_config(SemkvConfig.load({"gate_policy": "ungated"}), None)
+    assert all(ungated.strategy(c, engine) == engine for c in PlanClass)
+
+
+def test_the_default_config_serves_the_verified_tier_only() -> None:
+    from semkv.types import QualityTier
+
+    config = SemkvConfig.load({"semantic_mode": "materialize_semantic"})
+    assert config.semantic_tiers == frozenset({QualityTier.VERIFIED})
+    assert config.realize_spans and config.gate_policy == "auto"
