@@ -2,10 +2,17 @@
 
 It runs a short labelled workload twice per target: cold (nothing cached anywhere), then after
 its donor ran and vLLM's own prefix cache was emptied, so any reuse can only come from semkv.
-It prints, per request, what reuse happened (engine-confirmed), and TTFT cold vs warm.
+It prints, per request, what reuse happened (engine-confirmed), the realized span's plan class
+(or the class a gate refused), TTFT cold vs warm, and the answer against cold.
 
-    make demo                      # provider "chunks", materialize_exact
-    make demo DEMO_ARGS="--mode discovery_only"
+The default is the recommended production setting: ``materialize_semantic`` (the exact tier,
+plus realized spans of the classes the bundled model's shipped gate policy certifies), MinHash
+discovery, the commit-policy scheduler. Cross-instruction targets (another system prompt before
+the same document) are served from realized spans; a target that reads the donor's paragraphs
+in another order (class ``one_donor_reordered``, not certified) is refused with its reason.
+
+    make demo                      # materialize_semantic, minhash
+    make demo DEMO_ARGS="--mode materialize_exact --provider chunks"
 """
 
 from __future__ import annotations
@@ -40,13 +47,19 @@ def workload(n_docs: int) -> list[tuple[str, str, str]]:
                      f"{sys_b}{d}\n\nQ: {q1}\nA:"))
         other = docs[(i + 1) % len(docs)]
         rows.append(("negative_unrelated", f"{other}\n\nQ: {q1}\nA:", f"{d}\n\nQ: {q2}\nA:"))
+        if i == 0:  # the donor's paragraphs in another order: an uncertified plan class
+            parts = d.split("\n\n")
+            if len(parts) >= 3:
+                swapped = "\n\n".join(parts[len(parts) // 2:] + parts[: len(parts) // 2])
+                rows.append(("reordered_paragraphs", f"{sys_a}{d}\n\nQ: {q1}\nA:",
+                             f"{sys_a}{swapped}\n\nQ: {q1}\nA:"))
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", default="materialize_exact")
-    parser.add_argument("--provider", default="chunks")
+    parser.add_argument("--mode", default="materialize_semantic")
+    parser.add_argument("--provider", default="minhash")
     parser.add_argument("--docs", type=int, default=3)
     parser.add_argument("--json", type=Path, default=Path("bench-results/demo.json"))
     args = parser.parse_args()
@@ -57,14 +70,21 @@ def main() -> None:
 
     from semkv.bundled_model import ensure_model
     from semkv.kv_sizing import bundled_kv_cache_bytes
+    from semkv.research.quality import rouge_l
 
     console = Console(width=max(Console().width, 140))  # keep the table readable in CI logs
+    extra: dict[str, Any] = {"provider": args.provider, "semantic_mode": args.mode,
+                             "min_reuse_tokens": 128}
+    if args.provider == "minhash":  # a low LSH threshold: admission copies identical tokens only
+        extra["provider_config"] = {"threshold": 0.1}
     config = {
         "kv_connector": "SemanticKVConnector", "kv_connector_module_path": "semkv_vllm.connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"provider": args.provider, "semantic_mode": args.mode,
-                                      "min_reuse_tokens": 128},
+        "kv_connector_extra_config": extra,
     }
+    semantic = args.mode == "materialize_semantic"  # REQUEST_ONLY needs the commit policy
+    scheduler = {"scheduler_cls": "semkv_vllm.commit_policy.CommitPolicyScheduler"} if semantic \
+        else {}
     console.print(f"[bold]semkv demo[/]: vLLM CPU, SmolLM2-135M, provider={args.provider}, "
                   f"mode={args.mode}")
     # KV sized from the run (4 requests of 4,096 tokens), never a fraction of the host
@@ -72,7 +92,7 @@ def main() -> None:
               kv_cache_memory_bytes=bundled_kv_cache_bytes(max_model_len=4096, max_num_seqs=4,
                                                            block_size=128),
               max_model_len=4096, block_size=128, enable_prefix_caching=True, enforce_eager=True,
-              kv_transfer_config=config, disable_log_stats=False)
+              kv_transfer_config=config, disable_log_stats=False, **scheduler)
     first = SamplingParams(temperature=0.0, max_tokens=1)
     answer = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -86,27 +106,45 @@ def main() -> None:
     for cluster, donor, target in workload(args.docs):
         llm.reset_prefix_cache(reset_connector=True)
         cold_s, _ = ttft(target)
-        cold_text = llm.generate([target], answer, use_tqdm=False)[0].outputs[0].text
+        cold = llm.generate([target], answer, use_tqdm=False)[0].outputs[0]
         llm.reset_prefix_cache(reset_connector=True)
         llm.generate([donor], first, use_tqdm=False)
         llm.reset_prefix_cache()  # vLLM forgets the donor; semkv's store keeps it
         warm_s, summary = ttft(target)
         llm.reset_prefix_cache()
-        warm_text = llm.generate([target], answer, use_tqdm=False)[0].outputs[0].text
+        warm = llm.generate([target], answer, use_tqdm=False)[0].outputs[0]
         rows.append({"cluster": cluster, "cold_ttft_s": cold_s, "warm_ttft_s": warm_s,
-                     "same_answer_as_cold": warm_text == cold_text, **summary})
+                     "same_answer_as_cold": warm.text == cold.text,
+                     "rouge_l_vs_cold": rouge_l(list(warm.token_ids), list(cold.token_ids)),
+                     **summary})
 
     table = Table(title="What reuse did (each target: after its donor, vLLM's own cache emptied)")
-    for col in ("cluster", "provenance", "reason", "reused tok", "cold TTFT", "semkv TTFT",
-                "speedup", "answer = cold"):
+    for col in ("cluster", "provenance", "plan class", "reason", "reused tok", "cold TTFT",
+                "semkv TTFT", "speedup", "answer = cold", "ROUGE-L"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["cluster"], r["provenance"], r["fallback_reason"] or "-",
-                      str(r["external_tokens"]), f"{r['cold_ttft_s']:.2f}s",
-                      f"{r['warm_ttft_s']:.2f}s", f"{r['cold_ttft_s'] / r['warm_ttft_s']:.1f}x",
-                      "yes" if r["same_answer_as_cold"] else "no")
+        span, refused = r.get("span") or {}, r.get("span_refused") or {}
+        table.add_row(r["cluster"], r["provenance"], span.get("class") or refused.get("class")
+                      or "-", r["fallback_reason"] or "-", str(r["external_tokens"]),
+                      f"{r['cold_ttft_s']:.2f}s", f"{r['warm_ttft_s']:.2f}s",
+                      f"{r['cold_ttft_s'] / r['warm_ttft_s']:.1f}x",
+                      "yes" if r["same_answer_as_cold"] else "no", f"{r['rouge_l_vs_cold']:.2f}")
     console.print(table)
-    hits = [r for r in rows if r["provenance"] == "exact_external_kv_hit"]
+    realized = [r for r in rows if r["provenance"] == "request_only_semantic_reuse"]
+    if realized:
+        speedup = statistics.median(r["cold_ttft_s"] / r["warm_ttft_s"] for r in realized)
+        same = sum(r["same_answer_as_cold"] for r in realized)
+        rouge = statistics.median(r["rouge_l_vs_cold"] for r in realized)
+        console.print(f"realized spans: {len(realized)} served (request-only), median TTFT "
+                      f"{speedup:.1f}x, answers equal to cold {same}/{len(realized)}, median "
+                      f"ROUGE-L vs cold {rouge:.2f}")
+    for r in rows:
+        if r.get("span_refused"):
+            console.print(f"refused: {r['cluster']} plan class {r['span_refused']['class']}: "
+                          f"{r['span_refused']['reason']} (the gate policy does not certify it; "
+                          f"vLLM's own prefill served it)")
+    hits = [r for r in rows if r["provenance"] in ("exact_external_kv_hit",
+                                                   "request_only_semantic_reuse")]
     overall = statistics.median(r["cold_ttft_s"] / r["warm_ttft_s"] for r in rows)
     hit_only = statistics.median(r["cold_ttft_s"] / r["warm_ttft_s"] for r in hits) if hits else 0.0
     def labels(m: Any) -> str:

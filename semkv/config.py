@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ByteSize, Field, ValidationError
+from pydantic import ByteSize, Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -124,12 +124,21 @@ class SemkvConfig(BaseSettings):
         "refused as uncertified_class and counted); a path: a policy file semkv calibrate "
         "wrote for this model; ungated: every class, with the engine's strategy (measurement "
         "only)."))
-    realize_min_gain: float = Field(default=1.2, ge=1.0, le=100.0, description=(
+    realize_min_gain: float = Field(default=1.2, ge=0.0, le=100.0, description=(
         "Realized spans, the cost gate: the least predicted TTFT gain over a cold prefill of "
         "the same prompt (rates the engine measured on its own prefills and realizations); "
-        "a plan predicted below it falls back (low_predicted_gain), counted."))
+        "a plan predicted below it falls back (low_predicted_gain), counted. 0: off "
+        "(measurement only)."))
     provider_config: dict[str, Any] = Field(default_factory=dict)
     config_file: Path | None = Field(default=None, description="Optional YAML file.")
+
+    @field_validator("gate_policy")
+    @classmethod
+    def _policy_file_exists(cls, value: str) -> str:
+        if value not in ("auto", "ungated") and not Path(value).is_file():
+            raise ValueError(f"no such policy file {value!r} (auto, ungated, or a file "
+                             "semkv calibrate wrote)")
+        return value
 
     @classmethod
     def settings_customise_sources(

@@ -49,6 +49,10 @@ FAMILIES: dict[str, tuple[str | None, str]] = {
                                   "not serve the plan's class), cost (predicted gain under "
                                   "realize_min_gain), memory (over realize_memory_bytes), "
                                   "tensor_parallel (realized spans run at TP=1 only)."),
+    "would_realize_spans": ("class", "discovery_only: plans a realization would make that the "
+                                     "gate policy would serve, by plan class."),
+    "would_refuse_spans": ("class", "discovery_only: plans a realization would make that the "
+                                    "gate policy would refuse (uncertified_class), by class."),
     "span_refused": ("class", "Realized-span plans refused by the class, cost or memory gate, "
                               "by the class of the plan's shape (semkv.plan_class)."),
     "transfers_cancelled": (None, "Realizations and donor fetches dropped because their "

@@ -40,7 +40,8 @@ PHASE_SECONDS = 240.0  # any one loop; a phase past it fails (never hangs)
 
 def lifecycle_config(url: str, timeout_s: float) -> dict[str, Any]:
     return {"provider": "chunks", "semantic_mode": "materialize_semantic",
-            "semantic_tiers": ["verified"], "realize_spans": True, "min_reuse_tokens": 64,
+            "semantic_tiers": ["verified"], "realize_spans": True,
+            "gate_policy": "ungated", "realize_min_gain": 0.0, "min_reuse_tokens": 64,  # mechanics
             "verified_min_reuse_tokens": 64, "donor_store_bytes": STORE_BYTES,
             "request_options": True, "donor_store": "lmcache", "lmcache_server_url": url,
             "lookup_timeout_ms": 2000, "transfer_timeout_s": timeout_s}

@@ -32,7 +32,8 @@ STORE_BYTES = 128 * 2**20  # host slots: the fetched donors (or the host store's
 def realize_config(role: str, url: str | None, redis_url: str | None) -> dict[str, Any]:
     config: dict[str, Any] = {
         "provider": "chunks", "semantic_mode": "materialize_semantic",
-        "semantic_tiers": ["verified"], "realize_spans": True, "min_reuse_tokens": 64,
+        "semantic_tiers": ["verified"], "realize_spans": True,
+        "gate_policy": "ungated", "realize_min_gain": 0.0, "min_reuse_tokens": 64,  # mechanics
         "verified_min_reuse_tokens": 64, "donor_store_bytes": STORE_BYTES,
         "request_options": True}
     if role != "host":

@@ -26,6 +26,7 @@ from tests.engine_utils import BLOCK, engine, essay_prompts, in_process, semkv_m
 pytestmark = pytest.mark.engine
 EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
          "semantic_tiers": ["verified"], "realize_spans": True,
+         "gate_policy": "ungated", "realize_min_gain": 0.0,  # mechanics: every class, unpriced
          "min_reuse_tokens": 100_000,  # every hit here is a realization, never the exact tier
          "verified_min_reuse_tokens": 64, "lookup_timeout_ms": 10_000,
          "provider_config": {"threshold": 0.1}, "request_options": True,

@@ -43,6 +43,7 @@ BATCHED = 1024
 BOUND = 512 << 20
 EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
          "semantic_tiers": ["verified"], "realize_spans": True,
+         "gate_policy": "ungated", "realize_min_gain": 0.0,  # mechanics: every class, unpriced
          "min_reuse_tokens": 100_000,  # the exact tier never wins: every hit is realized
          "verified_min_reuse_tokens": 64, "lookup_timeout_ms": 10_000,
          "provider_config": {"threshold": 0.1}, "request_options": True,

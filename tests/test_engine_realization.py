@@ -49,6 +49,7 @@ KV_ATOL = 2e-4
 LOGPROB_ATOL = 2e-3
 EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
          "semantic_tiers": ["verified"], "realize_spans": True,
+         "gate_policy": "ungated", "realize_min_gain": 0.0,  # mechanics: every class, unpriced
          "min_reuse_tokens": 100_000,  # the exact tier never wins here: every hit is realized
          "verified_min_reuse_tokens": 64, "lookup_timeout_ms": 10_000,
          "provider_config": {"threshold": 0.1}, "request_options": True,
@@ -82,9 +83,9 @@ def recorder() -> Iterator[Recorder]:
 
     def recording_plan(self: Any, request_id: str, target: Any, local: int, candidates: Any,
                        view: Any, namespace: str, exact: Any, recompute: Any = None,
-                       until: Any = None) -> Any:
+                       until: Any = None, **kwargs: Any) -> Any:
         out = plan(self, request_id, target, local, candidates, view, namespace, exact,
-                   recompute, until)
+                   recompute, until, **kwargs)
         if isinstance(out, tuple):
             match, hold = out
             if rec.all_gaps:  # keep the leases, copy nothing: every span token computed

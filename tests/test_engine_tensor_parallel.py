@@ -39,6 +39,7 @@ RANKS_ON_TWO_CORES = "0|1|0"
 MAX_MODEL_LEN = 4096
 EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
          "semantic_tiers": ["verified"], "realize_spans": True,
+         "gate_policy": "ungated", "realize_min_gain": 0.0,  # mechanics: every class, unpriced
          "min_reuse_tokens": 100_000,  # the exact tier never wins here: a hit is a realization
          "verified_min_reuse_tokens": 64, "lookup_timeout_ms": 10_000,
          "provider_config": {"threshold": 0.1}, "request_options": True,

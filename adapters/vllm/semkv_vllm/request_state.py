@@ -11,10 +11,11 @@ from semkv.admission import Assessment
 from semkv.config import SemkvConfig
 from semkv.metrics import CounterBag
 from semkv.namespace import Namespace
+from semkv.plan_class import PlanClass
 from semkv.provider import LookupQuery
 from semkv.realize.recompute import RecomputeStrategy
 from semkv.request_options import RequestOptions
-from semkv.types import SemanticKVMatch
+from semkv.types import FallbackReason, SemanticKVMatch
 from semkv_vllm.options import read_options
 from semkv_vllm.span_admission import SpanHold
 
@@ -43,6 +44,7 @@ class RequestState:
     registered: bool = False
     lookup_started: bool = False
     span: SpanHold | None = None  # a realized span's plan, leases and pinned slots
+    refused_span: tuple[PlanClass, FallbackReason] | None = None  # its plan, refused by a gate
     fetching: SemanticKVMatch | None = None  # its span's answer, while its donors are looked up
     fetch_key: tuple[int, int] | None = None  # (local prefix, preemptions) of that lookup
     fetch_started: float = 0.0  # time.monotonic() when that lookup was sent

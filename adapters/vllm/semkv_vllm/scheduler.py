@@ -269,6 +269,8 @@ class SchedulerSide:
                                              local_prefix_tokens=local)
         else:
             match = capped
+        if not self.materialize:  # discovery_only: what the class gate would have done
+            self.span_decision.count_would(st, local, candidates)
         if self.spans is not None and not (match.is_hit and self.foreign.is_shared(match.donor_id)):
             realized = self.span_decision.realize(st, local, candidates, match)
             if realized is not None and self.fetches is not None:

@@ -155,6 +155,7 @@ class SpanAdmission:
         self.stats = stats
         self.cost: CostGate | None = None  # the cost gate; None: plans are not priced
         self.classes: ClassGate | None = None  # the gate policy by class; None: ungated
+        self.refused_class: PlanClass | None = None  # the last plan a gate refused
 
     def plan(self, request_id: str, target: Sequence[int], local: int,
              candidates: Sequence[Candidate], view: Callable[[str], DonorView | None],
@@ -162,6 +163,7 @@ class SpanAdmission:
              recompute: RecomputeStrategy, until: int | None = None,
              request_recompute: bool = False,
              ) -> tuple[SemanticKVMatch, SpanHold] | FallbackReason:
+        self.refused_class = None
         donors = {}
         for c in candidates:
             v = view(c.donor_id)
@@ -217,6 +219,7 @@ class SpanAdmission:
         return match, hold
 
     def _refused(self, reason: str, cls: PlanClass) -> None:
+        self.refused_class = cls
         if self.stats is not None:
             self.stats.inc("realize_refused", reason)
             self.stats.inc("span_refused", cls.value)

