@@ -11,13 +11,17 @@ Nothing here is ever logged.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 
+from semkv.cost import RealizeWork, StepWork
 from semkv.realize.recompute import RecomputeStrategy
+
+W = TypeVar("W", StepWork, RealizeWork)
 
 
 @dataclass
@@ -120,11 +124,15 @@ class SemkvMetadata(KVConnectorMetadata):
     saves: list[SaveOp] = field(default_factory=list)
     idle: bool = False  # no token scheduled this step: the worker may wait for realizations
     shared: KVConnectorMetadata | None = None  # donor_store=lmcache: LMCache's own step plan
+    # The step's forward work when it prefills and the cost gate is on: the workers time the
+    # forward and report it back (cost_gate.py).
+    step: StepWork | None = None
 
 
 @dataclass
 class SemkvWorkerMetadata(KVConnectorWorkerMetadata):
-    """Per step: blocks each request actually got, and the requests whose load failed."""
+    """Per step: blocks each request actually got, the requests whose load failed, and the
+    cost gate's timings."""
 
     loaded_blocks: dict[str, int] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
@@ -134,6 +142,10 @@ class SemkvWorkerMetadata(KVConnectorWorkerMetadata):
     can_realize: bool | None = None
     # Per realized request: copied tokens its recompute strategy computed through every layer.
     recomputed: dict[str, int] = field(default_factory=dict)
+    # The cost gate's samples (cost_gate.py): timed forwards, and realizations that ended well
+    # (with the start-up calibration's in the first report). Counts and seconds only.
+    forwards: list[tuple[StepWork, float]] = field(default_factory=list)
+    realizations: list[tuple[RealizeWork, float]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, SemkvWorkerMetadata)
@@ -148,7 +160,17 @@ class SemkvWorkerMetadata(KVConnectorWorkerMetadata):
                       for rid in self.recomputed.keys() | other.recomputed.keys()}
         return SemkvWorkerMetadata(merged, self.failed | other.failed,
                                    _all(self.layout_known, other.layout_known),
-                                   _all(self.can_realize, other.can_realize), recomputed)
+                                   _all(self.can_realize, other.can_realize), recomputed,
+                                   _slowest(self.forwards, other.forwards),
+                                   _slowest(self.realizations, other.realizations))
+
+
+def _slowest(a: list[tuple[W, float]], b: list[tuple[W, float]]) -> list[tuple[W, float]]:
+    """Ranks time the same work: the step took as long as its slowest rank (lists that do not
+    pair up, e.g. a rank whose device timings resolved a step later: the longer one)."""
+    if len(a) != len(b):
+        return list(a if len(a) > len(b) else b)
+    return [(wa, max(ta, tb)) for (wa, ta), (_, tb) in zip(a, b, strict=True)]
 
 
 def _all(a: bool | None, b: bool | None) -> bool | None:

@@ -78,9 +78,11 @@ def account(stats: CounterBag, st: RequestState) -> dict[str, Any]:
         # served tokens identical to the target's own (1.0 for exact/verified hits)
         "similarity": d.similarity if d is not None and tier is not None else None,
         # a realized span: tokens copied (of which shifted and recomputed), computed inside it,
-        # donors used, the class of its plan (semkv.plan_class)
+        # donors used, the class of its plan (semkv.plan_class), the cost gate's predicted
+        # TTFT gain over a cold prefill (None: not priced)
         "span": ({**st.span.plan.summary(), "recomputed": st.recomputed_tokens,
-                  "class": str(plan_class(st.span.plan))}
+                  "class": str(plan_class(st.span.plan)),
+                  "predicted_gain": d.metadata.get("predicted_gain") if d is not None else None}
                  if st.span is not None and tier is not None else None),
     }
 

@@ -25,6 +25,8 @@ Protocol (driven by ``WorkerSide``):
   writes into the request's blocks and reports received, or reports invalid when they failed
   (vLLM recomputes them under ``kv_load_failure_policy: recompute``).
 - ``cancel(request_id)``: drops the request's job unfinished (an aborted request).
+- ``calibrate()`` once, when the worker is handed the realizer (start-up): synthetic spans run
+  to their end and timed (``realize_calibration.py``): the cost gate's first realization rates.
 
 NOTE: nothing runs beside vLLM's forward. A background thread did first, and failed twice: (1)
 the engine's loop is Python and holds the GIL between its torch calls, so the thread waited up
@@ -47,12 +49,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from semkv.config import ConfigError, SemkvConfig, check_probe_layers
+from semkv.cost import RealizeWork
 from semkv.log import get_logger
 from semkv.realize import KVCache
 from semkv.realize.memory import Budget, Geometry, over_budget, working_set
@@ -60,6 +63,7 @@ from semkv.realize.recompute import layer_calls, recompute_steps
 from semkv.realize.span import place_layer
 from semkv_vllm.metadata import RealizeOp
 from semkv_vllm.page_layout import PageLayout
+from semkv_vllm.step_timing import Clock, Span
 
 log = get_logger("semkv.vllm.realization")
 # Fault injection (tests and chaos runs, with SEMKV_ALLOW_FAULT_INJECTION=1): fail every
@@ -101,6 +105,7 @@ class Realized:
     seconds: float
     recomputed: tuple[int, ...] = ()  # copied positions computed through every layer
     working_set: int = 0  # its estimated peak bytes (``op_working_set``)
+    spans: tuple[Span, ...] = ()  # its busy chunks' clock marks (the cost gate's seconds)
 
 
 @dataclass
@@ -109,6 +114,7 @@ class _Job:
     steps: Generator[int, None, tuple[KVCache, list[int]]]
     working_set: int  # estimated peak bytes (op_working_set)
     busy: float = 0.0  # seconds actually spent computing it
+    spans: list[Span] = field(default_factory=list)  # device clock marks of its busy chunks
 
 
 class SpanRealizer:
@@ -123,6 +129,7 @@ class SpanRealizer:
         self._jobs: list[_Job] = []
         self.memory_bytes = memory_bytes  # realize_memory_bytes (None: unbounded, tests only)
         self.reduce = _tensor_parallel_sum()  # blend ranks by the deviation over all ranks
+        self.clock = Clock(getattr(runner, "device", None))
 
     @classmethod
     def build(cls, model: Any, layout: PageLayout | None, kv_caches: dict[str, torch.Tensor],
@@ -175,24 +182,27 @@ class SpanRealizer:
         for job in list(self._jobs):
             if budget <= 0 and not (idle or finish):
                 break
-            started = time.perf_counter()
+            started, mark = time.perf_counter(), self.clock.mark()
             try:
                 while idle or finish or budget > 0:
                     budget -= next(job.steps) + LAYER_OVERHEAD_TOKENS
             except StopIteration as end:
+                job.spans.append((mark, self.clock.mark()))
                 cache, recomputed = end.value
                 done.append(self._ended(job, started, cache, tuple(recomputed), None))
             except Exception as exc:  # noqa: BLE001 - any failure becomes a recompute
                 done.append(self._ended(job, started, None, (), type(exc).__name__))
             else:
                 job.busy += time.perf_counter() - started
+                job.spans.append((mark, self.clock.mark()))
         return done
 
     def _ended(self, job: _Job, started: float, cache: KVCache | None,
                recomputed: tuple[int, ...], error: str | None) -> Realized:
         self._jobs.remove(job)
         busy = job.busy + time.perf_counter() - started
-        return Realized(job.op, cache, error, busy, recomputed, job.working_set)
+        return Realized(job.op, cache, error, busy, recomputed, job.working_set,
+                        tuple(job.spans))
 
     def write(self, realized: Realized) -> None:
         """The span's KV into the request's blocks (main thread, between steps)."""
@@ -207,6 +217,12 @@ class SpanRealizer:
 
     def shutdown(self) -> None:
         self._jobs.clear()  # the engine is going away: nothing will read these blocks
+
+    def calibrate(self) -> list[tuple[RealizeWork, float]]:
+        """The runner timed on synthetic spans at start-up (``realize_calibration.py``)."""
+        from semkv_vllm.realize_calibration import calibrate
+
+        return calibrate(self)
 
     # -- one job, step by step -------------------------------------------------------------
     def _steps(self, op: RealizeOp, needed: int,

@@ -15,6 +15,9 @@ NOTE: an op still unreported ``transfer_timeout_s`` after it arrived (a retrieve
 never answers, a realization starved by busy steps) is reported invalid: vLLM recomputes the
 span, the request's output is the cold one (``transfer_timeouts``, ``load_failed``). Wall-clock
 deadlines differ between ranks: realized spans are refused under tensor parallelism.
+NOTE: a realization that ends well is the cost gate's sample (``cost_gate.op_work`` of the op,
+its busy chunks and its write, timed on the realizer's device clock); failed, cancelled and
+expired ones are not (their time says nothing about the rates).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from typing import TYPE_CHECKING
 
 from semkv.log import get_logger
+from semkv_vllm.cost_gate import op_work
 from semkv_vllm.metadata import RealizeOp
 from semkv_vllm.realization import Realized
 
@@ -147,12 +151,18 @@ class SpanJobs:
                 return
         try:
             assert w.realizer is not None
+            start = w.timings.clock.mark()
             w.realizer.write(done)
             for kv in w.kv_caches.values():
                 w._floor(op.kv_floor, kv, op.block_ids)
+            spans = [*done.spans, (start, w.timings.clock.mark())]
         except Exception as exc:  # noqa: BLE001
             self.fail(op, type(exc).__name__)
             return
+        if w.shape is not None and op.kv_floor is None:  # rounding is not realization work
+            layers, block = w.shape
+            w.timings.realized(op_work(op, done.recomputed, layers=layers, block_size=block),
+                               spans)
         del self._open[op.request_id]
         w._loaded[op.request_id] = len(op.block_ids)
         w._recomputed[op.request_id] = len(done.recomputed)

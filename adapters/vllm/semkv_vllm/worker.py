@@ -21,6 +21,11 @@ token), then written into the request's blocks and reported received, or reporte
 cancelled when their request is aborted, failed past ``transfer_timeout_s``. A ``RealizeOp``
 with ``fetches`` (donors in a shared KV store) first retrieves them into its private slots
 (``lmcache_fetch.HostFetcher``); it is submitted once all of them have landed.
+NOTE: the cost gate's samples (``cost_gate.py``): the forward of every step whose metadata
+carries its work is timed between ``bind`` and ``wait_for_save``, less semkv's own
+``start_load_kv`` (``step_timing.py``); every realization that ends well is timed (its busy
+chunks and its write); the realization runner is timed on synthetic spans once, when the
+connector hands it over (``SpanRealizer.calibrate``). All reported with the next step.
 NOTE: with ``async_save`` the copy runs on one background thread, off the step's critical path
 (the first token is sampled and sent while it runs). It reads blocks that are complete and
 still owned by their request, which nothing rewrites until vLLM frees and reallocates them; a
@@ -38,6 +43,7 @@ from typing import Any
 
 import torch
 
+from semkv.cost import RealizeWork
 from semkv.log import get_logger
 from semkv.metrics import CounterBag
 from semkv_vllm.block_copy import allocate_store, copy_blocks
@@ -47,6 +53,7 @@ from semkv_vllm.page_layout import PageLayout
 from semkv_vllm.realization import SpanRealizer
 from semkv_vllm.rope import RopeShift
 from semkv_vllm.span_jobs import SpanJobs
+from semkv_vllm.step_timing import Clock, Timings
 
 log = get_logger("semkv.vllm.worker")
 
@@ -82,14 +89,35 @@ class WorkerSide:
         self._failed: set[str] = set()
         self._failed_counted: set[str] = set()  # one materialize_failed per request and step
         self.report_layout = False  # set when token-level loads are configured
-        self.realizer: SpanRealizer | None = None
+        self.timings = Timings()  # the cost gate's samples, until reported
+        self._calibration: list[tuple[RealizeWork, float]] = []  # reported with report_realize
+        self._realizer: SpanRealizer | None = None
+        self.shape: tuple[int, int] | None = None  # the realizer's (layers, block size)
         self.report_realize = False  # set when span realization is configured
         self.fetcher: Any = None  # lmcache_fetch.HostFetcher (donor_store: lmcache)
         self.spans = SpanJobs(self, transfer_timeout_s)  # realized spans, op to report
 
     # -- setup -----------------------------------------------------------------------------
+    @property
+    def realizer(self) -> SpanRealizer | None:
+        return self._realizer
+
+    @realizer.setter
+    def realizer(self, realizer: SpanRealizer | None) -> None:
+        """Set in ``register_kv_caches`` (start-up): the runner is timed on synthetic spans
+        then, the cost gate's first realization rates."""
+        self._realizer = realizer
+        runner, layout = getattr(realizer, "runner", None), getattr(realizer, "layout", None)
+        self.shape = (None if runner is None or layout is None
+                      else (int(runner.num_layers), int(layout.block_size)))
+        calibrate = getattr(realizer, "calibrate", None)
+        if callable(calibrate):
+            self._calibration = list(calibrate())
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = dict(kv_caches)
+        if self.kv_caches:
+            self.timings.clock = Clock(next(iter(self.kv_caches.values())).device)
         for name, kv in self.kv_caches.items():
             self.store[name] = allocate_store(kv, self.num_slots)
         per_slot = sum(kv[0].numel() * kv.element_size() for kv in self.kv_caches.values())
@@ -98,9 +126,11 @@ class WorkerSide:
 
     def bind(self, meta: Any) -> None:
         self._meta = meta if isinstance(meta, SemkvMetadata) else None
+        self.timings.begin(self._meta.step if self._meta is not None else None)
 
     def clear(self) -> None:
         self._meta = None
+        self.timings.cancel()
         self._maps.clear()  # token maps live for one step (keyed by the step's op objects)
 
     # -- loads -----------------------------------------------------------------------------
@@ -112,6 +142,10 @@ class WorkerSide:
         return self._current(op.slots, op.generations)
 
     def start_load_kv(self) -> None:
+        with self.timings.excluded():  # before or after the forward: never part of it
+            self._start_load_kv()
+
+    def _start_load_kv(self) -> None:
         if self._meta is not None and self._meta.realizes:
             self.drain_saves()  # a realization reads slots an in-flight save may be writing
             for rop in self._meta.realizes:
@@ -219,6 +253,7 @@ class WorkerSide:
 
     # -- saves -----------------------------------------------------------------------------
     def wait_for_save(self) -> None:
+        self.timings.end()  # the forward is over
         if self._meta is None or not self._meta.saves:
             return
         ops = list(self._meta.saves)
@@ -295,12 +330,15 @@ class WorkerSide:
         layout = realize = None
         if self.report_layout:
             layout, self.report_layout = self.layout is not None, False
+        forwards, realizations = self.timings.take()
         if self.report_realize:
             realize, self.report_realize = self.realizer is not None, False
-        if not self._loaded and not self._failed and layout is None and realize is None:
+            realizations, self._calibration = self._calibration + realizations, []
+        if not (self._loaded or self._failed or forwards or realizations) and (
+                layout is None and realize is None):
             return None
         meta = SemkvWorkerMetadata(dict(self._loaded), set(self._failed), layout, realize,
-                                   dict(self._recomputed))
+                                   dict(self._recomputed), forwards, realizations)
         self._loaded, self._failed, self._failed_counted = {}, set(), set()
         self._recomputed = {}
         return meta

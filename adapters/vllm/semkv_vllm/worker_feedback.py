@@ -3,7 +3,9 @@
 - their first step: whether every worker knows its page layout and can realize spans
   (``SchedulerSide.layout_known`` / ``can_realize``; decisions that need them wait until then);
 - per request: the blocks really loaded (``loaded_tokens``; for a realized span also what the
-  realization did inside it), or that its load failed (``load_failed``: vLLM recomputes it).
+  realization did inside it), or that its load failed (``load_failed``: vLLM recomputes it);
+- the cost gate's samples (timed forwards and realizations): handed to the engine's
+  ``EngineCost`` (``cost_gate.py``), whose rates price the next plans.
 
 NOTE: vLLM frees requests that stop in a step before it hands the connector that step's worker
 output, so the counters count confirmations whether or not the request is still known.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from semkv_vllm.cost_gate import EngineCost
 from semkv_vllm.metadata import SemkvWorkerMetadata
 
 if TYPE_CHECKING:
@@ -26,6 +29,9 @@ def apply_worker_meta(side: SchedulerSide, worker_meta: Any) -> None:
         side.layout_known = worker_meta.layout_known
     if worker_meta.can_realize is not None:
         side.can_realize = worker_meta.can_realize
+    if isinstance(side.cost_gate, EngineCost) and (worker_meta.forwards
+                                                   or worker_meta.realizations):
+        side.cost_gate.observe(worker_meta)
     for rid, blocks in worker_meta.loaded_blocks.items():
         side.stats.inc("loaded_tokens", amount=blocks * side.bs)
         side.stats.observe("request_loaded_tokens", blocks * side.bs)
