@@ -141,7 +141,8 @@ def test_realized_span_columns_split_tokens_and_compare_to_exact_and_response_ca
     realized = ArmResult(arm=ARMS["materialize_realized:minhash"])
     rag = _run(0.5, [1, 2, 3, 4], loaded=480, tier="verified")
     rag.summary["span"] = {"local": 0, "span": 480, "copied": 416, "shifted": 300,
-                           "computed": 64, "donors": 3, "segments": 7, "class": "multi_donor"}
+                           "computed": 64, "donors": 3, "segments": 7, "class": "multi_donor",
+                           "predicted_gain": 3.0}
     rag.delta = rag.delta - Snapshot({"vllm:semkv_span_tokens:copied": -416.0,
                                       "vllm:semkv_span_tokens:shifted": -300.0,
                                       "vllm:semkv_span_tokens:computed": -64.0,
@@ -168,6 +169,8 @@ def test_realized_span_columns_split_tokens_and_compare_to_exact_and_response_ca
     k = arms["materialize_realized:minhash"]["span_by_kind"]["multi_passage_rag"]
     assert (k["realized"], k["donor_tokens"], k["speedup_vs_own_miss_median"]) == (1, 416, 4.0)
     assert k["plan_classes"] == {"multi_donor": 1}
+    # the cost gate's 3.0x against the 4.0x measured over its own miss: 25 % conservative
+    assert k["cost_gate"]["priced"] == 1 and k["cost_gate"]["error_median"] == pytest.approx(-0.25)
     assert k["realize_ms_median"] == pytest.approx(250.0)
     assert k["exact_match_rate"] == 1.0 and k["response_cache_rouge_l_median"] == 0.5
     neg = arms["materialize_realized:minhash"]["span_by_kind"]["negative_unrelated"]
@@ -181,7 +184,8 @@ def test_realized_span_columns_split_tokens_and_compare_to_exact_and_response_ca
               "workload": {"targets": 2, "donors": 3}}
     assert ("| materialize_realized:minhash | multi_passage_rag | 1 | 1 | 1 | multi_donor 1 | "
             "416 (69%) | "
-            "300 (50%) | 64 (11%) | 120 (20%) | 4.00x | 2.00x | 250 | 100% | 1.00 | 0% | "
+            "300 (50%) | 64 (11%) | 120 (20%) | 4.00x | 2.00x | 3.00x | -25% (25%) | 250 | "
+            "100% | 1.00 | 0% | "
             "0.50 | – |") in markdown(result)
     for r in rows:  # the row stays flat: the span plan's dict is not copied into it
         assert not any(isinstance(v, list | dict) for v in r.values())

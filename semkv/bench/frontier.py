@@ -4,7 +4,8 @@ The engine loop that produces the requests is the vLLM adapter's (``semkv_vllm.b
 which documents the protocol); this module is the engine-free part: which donors a target is
 labelled with, what a request costs the run, and the row of one request scored against the cold
 run of the same prompt (greedy agreement, ROUGE-L, per-position KL from cold on the teacher
-forced cold answer, tokens copied / computed / recomputed, the plan's class, TTFT).
+forced cold answer, tokens copied / computed / recomputed, the plan's class, TTFT, and the
+cost gate's predicted TTFT gain beside the measured one).
 
 NOTE: rows hold counts, times and scores only, never token ids or text.
 """
@@ -81,6 +82,8 @@ def row(target: str, wl: Workload, arm: str, run: Run, cold: Run,
         "recomputed": int(run.delta.get(f"{SPAN}:recomputed")),
         "ttft_s": run.ttft_s, "cold_ttft_s": cold.ttft_s,
         "speedup": cold.ttft_s / run.ttft_s if run.ttft_s > 0 else None,
+        # the cost gate's prediction of that speedup for the plan (None: no span, not priced)
+        "predicted_gain": (run.summary.get("span") or {}).get("predicted_gain"),
         "exact_match": not diverged, "rouge_l": rouge_l(run.output, cold.output),
         "first_divergence": div if diverged else None, "cold_margin_at_divergence": margin,
         "response_cache_rouge_l": response_cache,

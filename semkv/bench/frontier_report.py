@@ -5,7 +5,8 @@ label of each realized plan's shape, ``semkv.plan_class``): targets served, toke
 recomputed tokens (share of the prompt), TTFT speedup vs cold, ROUGE-L and exact match vs cold,
 greedy divergences (and how many fell at a near-tie of the cold answer), mean per-token KL from
 cold and the cold answer's log-likelihood change, all beside the fp8 floor and the response
-cache.
+cache. The cost gate (``cost_gate``): per strategy and plan class, the TTFT gain it predicted for
+each served plan against the one measured (``semkv.bench.gain``: median and p90 error).
 
 The targets (issue #17), checked per arm for the kinds that must meet them:
 ``kl_mean <= fp8 floor's``; every divergence at a near-tie (cold margin < ``NEAR_TIE``);
@@ -22,6 +23,7 @@ from typing import Any
 
 from semkv.bench.config import COLD, FLOOR, STRATEGIES
 from semkv.bench.frontier import NEAR_TIE
+from semkv.bench.gain import gain_errors
 
 GATED_KINDS = ("cross_instruction", "cross_instruction_task_first", "multi_passage_rag")
 ROUGE_MIN, RC_MARGIN, DONOR_MIN, SPEEDUP_MIN, LONG_PROMPT = 0.9, 0.2, 0.5, 2.5, 2048
@@ -59,6 +61,18 @@ def summarize_by_class(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[s
     return {c: _by_arm([r for r in rows if r["target"] in targets
                         and (r["arm"] not in STRATEGIES or r.get("plan_class") == c)])
             for c, targets in sorted(classes.items())}
+
+
+def cost_gate(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """strategy arm -> plan class (and ``all``) -> predicted vs measured gain of served plans."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for arm in [a for a in STRATEGIES if any(r["arm"] == a for r in rows)]:
+        rs = [r for r in rows if r["arm"] == arm and r["served"] and r.get("plan_class")]
+        groups = {"all": rs, **{c: [r for r in rs if r["plan_class"] == c]
+                                for c in sorted({r["plan_class"] for r in rs})}}
+        out[arm] = {c: gain_errors((r.get("predicted_gain"), r["speedup"]) for r in g)
+                    for c, g in groups.items()}
+    return out
 
 
 def _by_arm(group: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -166,6 +180,11 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", "Per plan class (`semkv.plan_class`, the engine's label of each realized "
                       "plan's shape; cold and fp8-floor rows of the class's targets):", "",
                   *_summary_table("plan class", by_class)]
+    gate = cost_gate(result["rows"])
+    if any(g["all"]["priced"] for g in gate.values()):
+        lines += ["", "Cost gate: TTFT gain predicted for each served plan (rates the engine "
+                      "measured) against the one measured (cold TTFT / TTFT); error = "
+                      "predicted / measured - 1:", "", *_gate_table(gate)]
     neg = result["negatives"]
     lines += ["", f"Negative controls: {neg['false_positives']} false positive(s) on "
                   f"{neg['targets']} targets; realized blocks found in the prefix cache "
@@ -174,6 +193,22 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"- `{arm}`: " + ("met" if c["met"] else
                                        "not met: " + "; ".join(c["reasons_off"])))
     return "\n".join(lines) + "\n"
+
+
+def _gate_table(gate: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    header = ["arm", "plan class", "priced", "predicted med", "measured med", "error med",
+              "|error| med", "|error| p90", "slower than cold"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for arm, classes in gate.items():
+        for cls, g in classes.items():
+            if not g["priced"]:
+                continue
+            lines.append("| " + " | ".join([
+                arm, cls, str(g["priced"]), _f(g["predicted_median"]) + "x",
+                _f(g["measured_median"]) + "x", _f(g["error_median"], "+.0%"),
+                _f(g["abs_error_median"], ".0%"), _f(g["abs_error_p90"], ".0%"),
+                str(g["slower"])]) + " |")
+    return lines
 
 
 def _summary_table(first: str, groups: dict[str, dict[str, dict[str, Any]]]) -> list[str]:

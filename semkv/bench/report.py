@@ -94,7 +94,8 @@ def markdown(result: dict[str, Any]) -> str:
               "target's labelled donors.", "",
               *_table(["arm", "cluster type", "targets", "hits", "realized", "plan classes",
                        "from donors", "shifted", "computed in span", "computed by vLLM",
-                       "TTFT vs own miss", "vs exact arm", "realize ms med", "exact match",
+                       "TTFT vs own miss", "vs exact arm", "predicted gain med",
+                       "gain error med (abs p90)", "realize ms med", "exact match",
                        "ROUGE-L med", "resp. cache EM", "resp. cache ROUGE-L", "FP rate"],
                       _span_rows(arms))]
     lines += ["", "### Targets", ""] + _targets_md(result["targets"])
@@ -112,13 +113,18 @@ def _span_rows(arms: dict[str, Any]) -> list[list[str]]:
             continue
         for kind, k in s.get("span_by_kind", {}).items():
             total = k["prompt_tokens"]
+            gate = k.get("cost_gate") or {}
             rows.append([
                 name, kind, str(k["targets"]), str(k["hits"]), str(k["realized"]),
                 ", ".join(f"{c} {n}" for c, n in k.get("plan_classes", {}).items()) or "–",
                 _share(k["donor_tokens"], total), _share(k["span_shifted_tokens"], total),
                 _share(k["span_computed_tokens"], total), _share(k["vllm_computed_tokens"], total),
                 _f(k["speedup_vs_own_miss_median"], ".2f", "x"),
-                _f(k["speedup_vs_exact_arm_median"], ".2f", "x"), _f(k["realize_ms_median"], ".0f"),
+                _f(k["speedup_vs_exact_arm_median"], ".2f", "x"),
+                _f(gate.get("predicted_median"), ".2f", "x"),
+                (f"{_f(gate.get('error_median'), '+.0%')} ({_f(gate.get('abs_error_p90'), '.0%')})"
+                 if gate.get("priced") else "–"),
+                _f(k["realize_ms_median"], ".0f"),
                 _pct(k["exact_match_rate"]), _f(k["rouge_l_median"], ".2f"),
                 _pct(k["response_cache_exact_match_rate"]),
                 _f(k["response_cache_rouge_l_median"], ".2f"), _pct(k["false_positive_rate"])])

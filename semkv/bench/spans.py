@@ -12,7 +12,8 @@ and counts as vLLM's. For exact and token-swap hits (no span plan) every loaded 
 token and nothing is computed inside the span.
 
 Each realized request also carries its plan's class (``semkv.plan_class``, from the provenance
-summary), counted per cluster type.
+summary), counted per cluster type, and the TTFT gain the cost gate predicted for its plan,
+read against the gain measured over the same arm's own miss (``semkv.bench.gain``).
 
 Comparisons per cluster type: TTFT against the same arm's own miss of the same prompt (free of
 engine-to-engine drift, as the speed table's "vs own miss"), TTFT against the exact tier's arm
@@ -26,6 +27,7 @@ import statistics
 from collections import Counter
 from typing import Any
 
+from semkv.bench.gain import gain_errors
 from semkv.bench.results import Run
 
 SPAN = "vllm:semkv_span_tokens"
@@ -49,6 +51,7 @@ def span_fields(run: Run, loaded: int, exact_run: Run | None) -> dict[str, Any]:
         "span_donors": int(plan.get("donors") or 0),
         "span_segments": int(plan.get("segments") or 0),
         "plan_class": plan.get("class"),  # semkv.plan_class; None: no realized span
+        "predicted_gain": plan.get("predicted_gain"),  # the cost gate's; None: not priced
         "realize_s": run.delta.get(f"{REALIZE}:sum") or None,
         "exact_arm_ttft_s": exact_run.ttft_s if exact_run is not None else None,
         # > 1: this arm's first token came sooner than the exact tier's on the same prompt
@@ -87,6 +90,9 @@ def span_by_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "speedup_vs_own_miss_median": _median(_present(rs, "speedup_vs_own_miss")),
             "speedup_vs_exact_arm_median": _median(_present(rs, "speedup_vs_exact_arm")),
             "realize_ms_median": _median([1e3 * s for s in _present(rs, "realize_s")]),
+            # the cost gate: predicted gain vs measured over the same arm's own miss
+            "cost_gate": gain_errors((r.get("predicted_gain"), r.get("speedup_vs_own_miss"))
+                                     for r in rs if r.get("span_copied_tokens", 0) > 0),
             "exact_match_rate": _rate([r["exact_match"] for r in rs]),
             "rouge_l_median": _median([r["rouge_l"] for r in rs]),
             "response_cache_exact_match_rate": _rate(_present(rs, "response_cache_exact_match")),
