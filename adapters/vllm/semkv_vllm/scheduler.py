@@ -54,6 +54,7 @@ from semkv.realize.memory import Budget
 from semkv.types import (
     CachePolicy,
     FallbackReason,
+    Mode,
     QualityTier,
     SemanticKVMatch,
 )
@@ -133,7 +134,8 @@ class SchedulerSide:
         self.spans = (SpanAdmission(config, block_size, self.index, self.leases,
                                     self._donor_keys, fetch_chunk=fetch_chunk,
                                     budget=realize_budget, stats=self.stats)
-                      if (self.materialize and config.realize_spans
+                      if (config.semantic_mode is Mode.MATERIALIZE_SEMANTIC
+                          and config.realize_spans
                           and (shared_lookup is None or fetch_chunk is not None)
                           and QualityTier.VERIFIED in config.semantic_tiers) else None)
         self.class_gate, self.cost_gate = class_gate, cost_gate
