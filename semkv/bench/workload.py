@@ -1,12 +1,14 @@
 """The labelled workload of a ``semkv bench`` run, tokenized (``semkv.eval`` builds it).
 
-Engine-free: the bundled model's tokenizer (transformers, imported inside ``load_workload``)
-turns every prompt into token ids; the text is dropped once tokenized.
+Engine-free: the bundled model's tokenizer (or the served model's, for ``semkv calibrate``;
+transformers, imported inside ``load_workload``) turns every prompt into token ids; the text is
+dropped once tokenized.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from semkv.bench.config import BenchConfig
 
@@ -26,13 +28,18 @@ class Workload:
     donor_ids: dict[str, list[str]] = field(default_factory=dict)
 
 
-def load_workload(config: BenchConfig) -> Workload:
+def load_workload(config: BenchConfig, tokenizer: Path | None = None) -> Workload:
+    """The workload of ``config``, tokenized by ``tokenizer`` (a model folder; default: the
+    bundled model's)."""
     from transformers import AutoTokenizer
 
-    from semkv.bundled_model import ensure_model
     from semkv.eval import build_workload
 
-    tok = AutoTokenizer.from_pretrained(str(ensure_model()))
+    if tokenizer is None:
+        from semkv.bundled_model import ensure_model
+
+        tokenizer = ensure_model()
+    tok = AutoTokenizer.from_pretrained(str(tokenizer))
     wl = build_workload(config.seed, clusters_per_type=config.clusters_per_type,
                         target_tokens=config.target_tokens, tokenizer=tok.encode,
                         kinds=config.kinds)
