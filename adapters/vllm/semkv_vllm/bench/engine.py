@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from semkv.bench.config import Arm, BenchConfig
@@ -38,6 +39,8 @@ def configure_process(cores: str) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("SEMKV_LOG_LEVEL", "WARNING")
+    # semkv's logger may be configured already (building the CLI loads every plugin)
+    logging.getLogger("semkv").setLevel(os.environ["SEMKV_LOG_LEVEL"])
 
 
 def snapshot(llm: Any) -> Snapshot:
@@ -57,22 +60,30 @@ def snapshot(llm: Any) -> Snapshot:
 
 
 @contextlib.contextmanager
-def open_engine(arm: Arm, config: BenchConfig, *, max_num_seqs: int) -> Iterator[Any]:
+def open_engine(arm: Arm, config: BenchConfig, *, max_num_seqs: int,
+                engine_args: Mapping[str, Any] | None = None) -> Iterator[Any]:
+    """One in-process engine for ``arm``: the bundled model, or ``engine_args`` (``LLM()``
+    keyword arguments laid over the bench's; a None value drops the bench's own)."""
     from vllm import LLM
 
-    from semkv.bundled_model import ensure_model
-    from semkv.kv_sizing import bundled_kv_cache_bytes
+    args = dict(engine_args or {})
+    if "model" not in args:
+        from semkv.bundled_model import ensure_model
 
-    # NOTE: at least 4 sequences' worth, so the anchor arm's repeated prompt stays cached.
-    kv_bytes = config.kv_cache_bytes or bundled_kv_cache_bytes(
-        max_model_len=config.max_model_len, max_num_seqs=max(max_num_seqs, 4),
-        block_size=config.block_size)
+        args["model"] = str(ensure_model())
+    if "kv_cache_memory_bytes" not in args:
+        from semkv.kv_sizing import bundled_kv_cache_bytes
+
+        # NOTE: at least 4 sequences' worth, so the anchor arm's repeated prompt stays cached.
+        args["kv_cache_memory_bytes"] = config.kv_cache_bytes or bundled_kv_cache_bytes(
+            max_model_len=config.max_model_len, max_num_seqs=max(max_num_seqs, 4),
+            block_size=config.block_size)
     kwargs: dict[str, Any] = dict(
-        model=str(ensure_model()), dtype="float32", kv_cache_memory_bytes=kv_bytes,
-        max_model_len=config.max_model_len, block_size=config.block_size,
+        dtype="float32", max_model_len=config.max_model_len, block_size=config.block_size,
         enable_prefix_caching=True, enforce_eager=True, disable_log_stats=False, seed=0,
         max_num_seqs=max_num_seqs,
         kv_transfer_config=dict(CONNECTOR, kv_connector_extra_config=arm.extra))
+    kwargs = {k: v for k, v in {**kwargs, **args}.items() if v is not None}
     if arm.commit_policy:
         kwargs["scheduler_cls"] = "semkv_vllm.commit_policy.CommitPolicyScheduler"
     llm = LLM(**kwargs)
