@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from semkv_vllm.class_gate import ClassGate
 
 from semkv.bundled_model import ensure_model
 from semkv.config import ConfigError, SemkvConfig
@@ -26,7 +27,6 @@ from semkv.model_identity import ModelIdentityError, model_identity
 from semkv.plan_class import CLASSES_VERSION, PlanClass
 from semkv.realize.recompute import RecomputeKind, RecomputeStrategy
 from semkv.types import FallbackReason
-from semkv_vllm.class_gate import ClassGate
 
 BUNDLED = "smollm2-135m-instruct-float32.json"
 
