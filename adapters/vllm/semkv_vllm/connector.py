@@ -124,7 +124,9 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
                 realize_budget=(realize_budget(self.config, vllm_config)
                                 if semantic and self.config.realize_spans else None),
                 class_gate=(ClassGate.for_engine(self.config, vllm_config)
-                            if semantic and self.config.realize_spans else None),
+                            if self.config.realize_spans and (
+                                semantic or self.config.semantic_mode is Mode.DISCOVERY_ONLY)
+                            else None),
                 cost_gate=EngineCost.from_vllm_config(vllm_config))
             if semantic and self.config.realize_spans and self._scheduler.tensor_parallel > 1:
                 log.warning("realized_spans_refused", why="tensor_parallel_size > 1",

@@ -84,6 +84,9 @@ def account(stats: CounterBag, st: RequestState) -> dict[str, Any]:
                   "class": str(plan_class(st.span.plan)),
                   "predicted_gain": d.metadata.get("predicted_gain") if d is not None else None}
                  if st.span is not None and tier is not None else None),
+        # a realized plan a gate refused: its class and the gate's reason
+        "span_refused": ({"class": str(st.refused_span[0]), "reason": str(st.refused_span[1])}
+                         if st.refused_span is not None else None),
     }
 
 
