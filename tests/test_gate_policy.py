@@ -167,3 +167,35 @@ def test_the_default_config_serves_the_verified_tier_only() -> None:
     config = SemkvConfig.load({"semantic_mode": "materialize_semantic"})
     assert config.semantic_tiers == frozenset({QualityTier.VERIFIED})
     assert config.realize_spans and config.gate_policy == "auto"
+
+
+def test_discovery_only_counts_what_the_class_gate_would_do(bundled_identity) -> None:  # noqa: ANN001
+    """``SpanDecision.count_would``: the plan a realization would make from the candidates'
+    tokens, its class, and whether the policy would serve it; nothing is held."""
+    from types import SimpleNamespace
+
+    from semkv.admission import DonorView
+    from semkv.metrics import CounterBag
+    from semkv.namespace import Namespace
+    from semkv.types import Candidate
+    from semkv_vllm.span_decision import SpanDecision
+
+    ints = {"block_size", "tensor_parallel_size", "pipeline_parallel_size"}
+    ns = Namespace(**{f: 1 if f in ints else "x" for f in Namespace.model_fields})
+    doc = list(range(1000, 1640))  # 20 blocks of 32
+    views = {"d": DonorView("d", ns.digest, [7] * 64 + doc, 0)}  # nothing stored: discovery
+    side = SimpleNamespace(
+        class_gate=ClassGate.from_config(SemkvConfig.load({}), bundled_identity), bs=32,
+        config=SemkvConfig.load({}), stats=CounterBag(), donor_view=views.get,
+        foreign=SimpleNamespace(fetchable={}))
+    decision = SpanDecision(side)  # type: ignore[arg-type]
+    cand = [Candidate(donor_id="d", namespace=ns.digest, similarity=0.9, num_tokens=704)]
+
+    def state(tokens: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(namespace=ns, request=SimpleNamespace(all_token_ids=tokens))
+
+    decision.count_would(state([9] * 96 + doc + [5] * 40), 0, cand)  # another instruction
+    half = len(doc) // 2
+    decision.count_would(state([9] * 96 + doc[half:] + doc[:half] + [5] * 40), 0, cand)
+    assert side.stats.counters == {"would_realize_spans:one_donor_in_order": 1,
+                                   "would_refuse_spans:one_donor_reordered": 1}
