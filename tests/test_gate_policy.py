@@ -174,11 +174,12 @@ def test_discovery_only_counts_what_the_class_gate_would_do(bundled_identity) ->
     tokens, its class, and whether the policy would serve it; nothing is held."""
     from types import SimpleNamespace
 
+    from semkv_vllm.span_decision import SpanDecision
+
     from semkv.admission import DonorView
     from semkv.metrics import CounterBag
     from semkv.namespace import Namespace
     from semkv.types import Candidate
-    from semkv_vllm.span_decision import SpanDecision
 
     ints = {"block_size", "tensor_parallel_size", "pipeline_parallel_size"}
     ns = Namespace(**{f: 1 if f in ints else "x" for f in Namespace.model_fields})
