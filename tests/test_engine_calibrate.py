@@ -1,0 +1,152 @@
+"""``semkv calibrate`` end to end on the real vLLM CPU engine (bundled SmolLM2-135M, fp32).
+
+Two runs of the command, each its own in-process engine (the command is the unit under test):
+
+- the bundled workloads, small (``BUNDLED``: the frontier's conditions, ~1K-token prompts,
+  block 32, the default strategies, fewer targets and a lower ``--min-samples``): the written
+  policy loads through ``ClassGate.from_config`` for the engine's model and serves or refuses
+  the classes the shipped policy does (derived by hand from docs/frontier.md):
+  one_donor_in_order served; one_donor_reordered and multi_donor refused, measured above the
+  fp8 floor (not for want of samples); gap_dominated refused (no bundled plan has that shape).
+  The strategy it certifies is the measurement's, not asserted (docs/calibrate.md);
+- an operator's JSONL file (synthetic text made here, never corpus text): groups of prompts
+  that put another instruction before the same document; every target is planned
+  one_donor_in_order from its group's earlier prompt, rows are labelled by the file's ids, and
+  neither the rows nor the policy hold any of the text.
+
+Figures (per class KL against the floor, wall time) are in docs/calibrate.md.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from semkv_vllm.class_gate import ClassGate
+
+from semkv.bundled_model import ensure_model
+from semkv.config import SemkvConfig
+from semkv.gate_policy import SHIPPED, check_model, read_policy
+from semkv.model_identity import model_identity
+from semkv.plan_class import PlanClass
+from semkv.realize.recompute import RecomputeStrategy
+from semkv.types import FallbackReason
+
+SEMKV = [sys.executable, "-m", "semkv.cli", "calibrate", "--no-progress", "--block-size", "32"]
+# ~1K tokens as the frontier measured (at ~768 tokens first_k16 measured above the floor for
+# one_donor_in_order: docs/calibrate.md); both default strategies; 3 targets per kind
+BUNDLED = ["--kinds", "cross_instruction", "paraphrased_lead_in", "reordered_chunks",
+           "multi_passage_rag", "--target-tokens", "1024", "--targets-per-kind", "3",
+           "--max-tokens", "16", "--min-samples", "3"]
+WORDS = ("river stone lantern harbor meadow copper winter orchard signal engine valley "
+         "thread marble falcon garden bridge candle mirror forest ladder silver anchor "
+         "compass desert pebble window violet summit canyon timber").split()
+INSTRUCTIONS = ("Summarize the notes below in two sentences.",
+                "List the three most important points of the notes below.")
+
+
+def _run(args: list[str], out: Path) -> tuple[subprocess.CompletedProcess[str], float]:
+    start = time.perf_counter()
+    proc = subprocess.run([*SEMKV, *args, "--out", str(out)], capture_output=True, text=True,
+                          timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc, time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def bundled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("calibrate") / "policy.json"
+    proc, wall = _run(BUNDLED, out)
+    print(proc.stdout)  # the summary table, shown with -s
+    return {"out": out, "stdout": proc.stdout, "wall": wall,
+            "rows": json.loads(out.with_name("policy.rows.json").read_text())}
+
+
+def _identity() -> Any:
+    return model_identity(ensure_model(), dtype="float32", kv_cache_dtype="auto")
+
+
+@pytest.mark.engine
+def test_calibration_certifies_what_the_frontier_does(bundled: dict[str, Any]) -> None:
+    path: Path = bundled["out"]
+    policy = read_policy(path)
+    identity = _identity()
+    check_model(policy, identity, path)  # keyed by the engine's model, as the connector checks
+    shipped = read_policy(SHIPPED / "smollm2-135m-instruct-float32.json")
+    assert policy.model.digest == shipped.model.digest == identity.digest
+    gate = ClassGate.from_config(SemkvConfig.load({"gate_policy": str(path)}), identity)
+    engine = RecomputeStrategy()
+    decided = {c: gate.strategy(c, engine) is not FallbackReason.UNCERTIFIED_CLASS
+               for c in PlanClass}
+    assert decided == {c: shipped.classes[c].served for c in PlanClass}, bundled["stdout"]
+    served = policy.classes[PlanClass.ONE_DONOR_IN_ORDER]
+    assert served.measured is not None and served.measured.samples >= 6, served
+    for cls in (PlanClass.ONE_DONOR_REORDERED, PlanClass.MULTI_DONOR):
+        rule = policy.classes[cls]
+        assert rule.measured is not None and rule.measured.samples >= 3, rule
+        assert "above the fp8 floor" in rule.reason, rule  # measured, not short of samples
+    assert policy.classes[PlanClass.GAP_DOMINATED].reason.startswith("too few samples (0 of 3)")
+    assert f'"gate_policy": "{path.resolve()}"' in bundled["stdout"]
+    assert "| one_donor_in_order | first_k16 |" in bundled["stdout"]
+
+
+@pytest.mark.engine
+def test_calibration_rows_are_counts_and_scores(bundled: dict[str, Any]) -> None:
+    record = bundled["rows"]
+    assert record["identity"]["digest"] == _identity().digest
+    assert record["connector"]["extra"]["gate_policy"] == "ungated"
+    rows = record["rows"]
+    assert {r["arm"] for r in rows} == {"cold", "fp8_floor", "realized:first_k16",
+                                        "realized:first_k16+blend15"}
+    assert all(r["served"] for r in rows if r["arm"] == "fp8_floor")
+    assert {r["plan_class"] for r in rows if r["arm"] == "realized:first_k16"} >= {
+        "one_donor_in_order", "one_donor_reordered", "multi_donor"}
+    assert all("text" not in r and "token_ids" not in r for r in rows)
+    print(f"semkv calibrate wall time: {bundled['wall']:.0f} s ({record['wall_s']:.0f} s "
+          "inside the command)")
+
+
+def _document(rng: random.Random, words: int) -> str:
+    sentences: list[str] = []
+    while sum(len(s.split()) for s in sentences) < words:
+        n = rng.randint(8, 16)
+        sentences.append(" ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + ".")
+    return " ".join(sentences)
+
+
+@pytest.mark.engine
+def test_calibration_from_a_prompts_file(tmp_path: Path) -> None:
+    rng = random.Random(7)
+    lines = []
+    for g in range(3):
+        doc = _document(rng, 360)
+        for i, instruction in enumerate(INSTRUCTIONS):
+            lines.append({"prompt": f"{instruction}\n\n{doc}\n\nAnswer:", "group": f"doc{g}",
+                          "id": f"doc{g}-{i}"})
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "mine.json"
+    proc, _ = _run(["--prompts", str(prompts), "--min-samples", "3", "--max-tokens", "8",
+                    "--strategies", "realized:first_k16"], out)
+    policy = read_policy(out)
+    check_model(policy, _identity(), out)
+    assert policy.source == "prompts file prompts.jsonl: 6 prompts, 3 targets"
+    assert set(policy.classes) == set(PlanClass)
+    record_text = out.with_name("mine.rows.json").read_text()
+    rows = json.loads(record_text)["rows"]
+    realized = {r["target"]: r for r in rows if r["arm"] == "realized:first_k16"}
+    assert sorted(realized) == ["doc0-1", "doc1-1", "doc2-1"]
+    for r in realized.values():
+        assert r["kind"] == "prompts" and r["served"], r
+        assert r["plan_class"] == "one_donor_in_order" and r["kl_mean"] is not None, r
+    in_order = policy.classes[PlanClass.ONE_DONOR_IN_ORDER]
+    assert in_order.measured is not None and in_order.measured.samples == 3
+    for text in (*INSTRUCTIONS, lines[0]["prompt"][60:120]):  # no text anywhere it wrote
+        assert text not in record_text and text not in out.read_text()
+        assert text not in proc.stdout + proc.stderr
