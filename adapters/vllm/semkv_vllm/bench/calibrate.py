@@ -13,8 +13,8 @@ The engine is the one the operator serves with: ``--model``, ``--dtype``, ``--kv
 anything else ``LLM()`` accepts as ``engine_args``. It runs in this process, one request at a
 time, with semkv's connector in ``materialize_semantic`` (verified tier, realized spans, MinHash
 discovery at LSH threshold 0.1), ``request_options`` on, ``gate_policy: ungated`` (every plan
-class is realized, so every class is measured) and ``realize_min_gain`` 1.0 (the cost gate
-refuses only plans predicted slower than cold). The frontier runner
+class is realized, so every class is measured) and ``realize_min_gain`` 0 (the cost gate off:
+every plan is measured; the TTFT the policy reads is the one measured). The frontier runner
 (``semkv_vllm.bench.frontier``, lean: only KL and TTFT, every arm but cold generating two
 tokens) measures, per target, cold, the fp8-KV floor and each strategy; ``semkv.calibrate``
 turns its rows into the policy, keyed by the identity the engine itself
@@ -233,7 +233,7 @@ def calibrate(opts: Options, *, command: str = "semkv calibrate") -> dict[str, A
             folder, max_model_len=max_len, max_num_seqs=4, block_size=bs, dtype=width)}
     overrides = {"donor_store_bytes": kv_cache_bytes(
         folder, max_model_len=max_len, max_num_seqs=most_donors(wl) + 2, block_size=bs,
-        dtype=width), "realize_min_gain": 1.0}
+        dtype=width), "realize_min_gain": 0.0}
     found: list[Any] = []
 
     def identify(llm: Any) -> None:
