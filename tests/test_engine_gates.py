@@ -2,7 +2,7 @@
 
 One engine, ``materialize_semantic`` with nothing else about reuse set: the verified tier,
 realized spans and ``gate_policy: auto`` are the defaults, so the policy semkv ships for the
-bundled model decides (``semkv/policies/``: ``one_donor_in_order`` served with ``first_k`` 16,
+bundled model decides (``semkv/policies/``: ``one_donor_in_order`` served with ``first_k_blend``,
 every other class refused). The engine's own ``recompute_strategy`` is ``none``: a served span
 that recomputes tokens shows the policy's strategy, not the engine's, was used.
 
@@ -93,8 +93,8 @@ def test_one_donor_in_order_is_served_with_the_policys_strategy(runs) -> None:  
     s = sent.summary
     assert s["provenance"] == "request_only_semantic_reuse", s
     assert s["span"]["class"] == "one_donor_in_order"
-    # the engine's strategy is none: first_k 16 per copied segment came from the policy
-    assert 0 < s["span"]["recomputed"] <= 16 * s["span"]["segments"]
+    # the engine's strategy is none: what was recomputed came from the policy's strategy
+    assert s["span"]["recomputed"] >= 16
     assert s["span_refused"] is None
     assert sent.ttft_s < cold.ttft_s, (sent.ttft_s, cold.ttft_s)
 

@@ -153,7 +153,7 @@ def test_the_class_gate_lays_the_classes_strategy_over_the_engines(bundled_ident
     gate = ClassGate.from_config(SemkvConfig.load({}), bundled_identity)
     engine = RecomputeStrategy(RecomputeKind.BLEND, fraction=0.3, first_k=4, probe_layers=3)
     served = gate.strategy(PlanClass.ONE_DONOR_IN_ORDER, engine)
-    assert served == RecomputeStrategy(RecomputeKind.FIRST_K, fraction=0.3, first_k=16,
+    assert served == RecomputeStrategy(RecomputeKind.FIRST_K_BLEND, fraction=0.15, first_k=16,
                                        probe_layers=3)
     for cls in (PlanClass.MULTI_DONOR, PlanClass.ONE_DONOR_REORDERED, PlanClass.GAP_DOMINATED):
         assert gate.strategy(cls, engine) is FallbackReason.UNCERTIFIED_CLASS

@@ -138,6 +138,8 @@ class ClassGate(Protocol):
     def strategy(self, cls: PlanClass, engine: RecomputeStrategy,
                  ) -> RecomputeStrategy | FallbackReason: ...
 
+    def served(self, cls: PlanClass) -> bool: ...
+
 
 class SpanAdmission:
     def __init__(self, config: SemkvConfig, block_size: int, index: StoreIndex,

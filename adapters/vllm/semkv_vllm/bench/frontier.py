@@ -70,6 +70,7 @@ def engine_arm(config: BenchConfig, donors_per_target: int,
              "semantic_tiers": ["verified"], "realize_spans": True, "request_options": True,
              "provider_config": {"threshold": 0.1},
              "gate_policy": "ungated",  # every class measured: the frontier certifies them
+             "realize_min_gain": 0.0,  # every plan measured; rows still carry predicted gains
              **overrides}
     return Arm(name="frontier", mode="materialize_semantic", provider="minhash", extra=extra,
                commit_policy=True)
