@@ -95,6 +95,7 @@ def test_readme_serve_command_runs_verbatim(tmp_path):
         assert re.search(r"^vllm:semkv_lookup_requests_total\{[^}]*\} [1-9]", text, re.M)
         assert prompt[:40] not in text  # no prompt text in metrics
         assert "Explicitly set" in log.read_text()  # vLLM took the README's KV size
+        assert "gate_policy_loaded" in log.read_text()  # the shipped policy of the bundled model
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
