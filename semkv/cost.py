@@ -29,8 +29,15 @@ and a 1K-token chunk count alike, from the work alone, so a machine that turned 
 weighted down for it (weighting by the time itself would). Older samples decay, so the rates
 follow the machine's load. A sample ``OUTLIER`` times off the fit (a stall: the process
 descheduled, a one-off initialization) is left out, unless ``OUTLIER_RUN`` come in a row.
-Everything here is a handful of floats per sample and per
-prediction: no numpy, no torch.
+Every fit also measures its own error: each sample is first predicted by the fit as it stands
+(once it has more samples than features), and the mean absolute relative miss (decayed like the
+samples, starting from ``PRIOR_ERROR`` as one sample) is its ``error``. The gate decides on the
+gain discounted by both fits' errors (``Prediction.gain = point_gain / (1 + margin)``): on a
+steady engine whose fits predict within a few percent it is the point prediction; on a loaded,
+noisy one (this 2-core machine shared with other work: the same prompt's cold TTFT 8.4 s and
+12.0 s a minute apart) a plan must promise proportionally more to be served, so that a
+prediction error does not serve a request slower than its cold run.
+Everything here is a handful of floats per sample and per prediction: no numpy, no torch.
 
 NOTE: the model is of an engine serving one request at a time. On a busy engine a realization
 advances a bounded share per step and prefill chunks share steps with other requests; both
@@ -56,6 +63,8 @@ REALIZE_PREFER = (2, 1, 3, 0)
 PREFILL_DECAY = 0.99  # per step sample: the last few hundred steps count
 REALIZE_DECAY = 0.9  # per realization: the last few dozen realizations count
 SIZE_FLOOR = 0.05  # the scaled work of a step that computes almost nothing (weights only)
+PRIOR_ERROR = 0.25  # a fit's error before it has measured any (counts as one sample)
+MAX_MARGIN = 1.0  # the gain is never discounted by more than half
 NOISE = 0.02  # relative error of a timing: fits closer than this are not told apart
 OUTLIER = 10.0  # a sample this many times off the current fit is a stall, not a rate...
 OUTLIER_RUN = 3  # ...unless this many in a row are: the machine changed, the fit follows
@@ -144,6 +153,7 @@ class RateFit:
         self._n = 0.0  # effective samples (decayed)
         self.outliers = 0  # samples left out (module docstring)
         self._run = 0  # outliers in a row
+        self._miss, self._misses = PRIOR_ERROR, 1.0  # decayed sums of |t/t̂ - 1| and weights
         self._coef: tuple[float, ...] | None = None
         self._dirty = False
 
@@ -161,6 +171,11 @@ class RateFit:
                 self.outliers += 1
                 return False
         self._run = 0
+        if self.samples > len(self.scales):  # an out-of-sample prediction: the fit's own error
+            before = expected if expected is not None else self.predict(features)
+            if before is not None and before > 0.0:
+                self._miss = self.decay * self._miss + abs(seconds / before - 1.0)
+                self._misses = self.decay * self._misses + 1.0
         size = sum(x[1:]) + SIZE_FLOOR  # features()[0] is the constant
         w, d = 1.0 / (size * size), self.decay
         for i, xi in enumerate(x):
@@ -173,6 +188,11 @@ class RateFit:
         self.samples += 1
         self._dirty = True
         return True
+
+    @property
+    def error(self) -> float:
+        """Mean absolute relative error of its predictions of new samples (module docstring)."""
+        return self._miss / self._misses
 
     def coefficients(self) -> tuple[float, ...] | None:
         """Seconds per unit of each (unscaled) feature; None before any sample."""
@@ -239,19 +259,26 @@ def _gauss(a: list[list[float]], b: list[float]) -> list[float] | None:
 
 @dataclass(frozen=True)
 class Prediction:
-    """Predicted seconds to the first token, cold and realized (realization + tail)."""
+    """Predicted seconds to the first token, cold and realized (realization + tail), and the
+    relative margin the fits' own errors call for."""
 
     cold_s: float
     realize_s: float
     tail_s: float
+    margin: float = 0.0
 
     @property
     def realized_s(self) -> float:
         return self.realize_s + self.tail_s
 
     @property
-    def gain(self) -> float:
+    def point_gain(self) -> float:
         return self.cold_s / self.realized_s if self.realized_s > 0.0 else math.inf
+
+    @property
+    def gain(self) -> float:
+        """What the gate decides on: the point gain discounted by the margin."""
+        return self.point_gain / (1.0 + self.margin)
 
 
 class EngineRates:
@@ -292,4 +319,6 @@ class EngineRates:
         realize = self.realize_seconds(work)
         if cold is None or tail is None or realize is None:
             return None
-        return Prediction(cold, realize, tail)
+        margin = min(MAX_MARGIN, self.realize.error + (
+            self.prefill.error if self.prefill.samples else self.realize.error))
+        return Prediction(cold, realize, tail, margin)

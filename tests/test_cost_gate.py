@@ -164,6 +164,22 @@ def test_a_gap_heavy_span_is_predicted_slower_than_cold_a_copied_one_faster() ->
     assert local is not None and local.cold_s < copied.cold_s
 
 
+def test_the_gate_discounts_the_gain_by_the_fits_own_errors() -> None:
+    steady = _rates()
+    p = steady.predict(0, 1984, 2000, _work(1984, 1000))
+    assert p is not None and p.margin < 0.05  # noiseless: every new sample was predicted
+    assert p.gain == pytest.approx(p.point_gain / (1 + p.margin))
+    noisy = _rates()
+    for i in range(300):  # then steps come 30 % off, either way: a loaded, shared machine
+        w = StepWork(1024, chunk_attention(1024 * (i % 3), 1024))
+        noisy.add_step(w, _step_seconds(w) * (1.3 if i % 2 else 0.7))
+    q = noisy.predict(0, 1984, 2000, _work(1984, 1000))
+    assert q is not None and 0.2 < noisy.prefill.error < 0.4 and q.margin > 0.2
+    assert q.gain < p.gain and q.gain == pytest.approx(q.point_gain / (1 + q.margin))
+    fresh = RateFit(PREFILL_SCALES)  # before it could measure any: the prior
+    assert fresh.error == pytest.approx(0.25)
+
+
 def test_without_prefill_samples_the_realizer_prices_the_prefill() -> None:
     rates = EngineRates(1024)
     assert rates.predict(0, 992, 1000, _work(992, 900)) is None  # nothing measured yet

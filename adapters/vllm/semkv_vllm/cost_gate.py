@@ -3,8 +3,10 @@
 ``EngineCost`` (built in the scheduler process, ``SpanAdmission.cost``) prices a plan with
 ``semkv.cost``: the worker's realization of the span plus vLLM's prefill of the tail after it,
 against vLLM's prefill of everything after the local prefix (the request's fallback), in
-chunks of ``max_num_batched_tokens``. A plan predicted under ``realize_min_gain`` falls back
-``low_predicted_gain`` (``span_admission.py`` counts it). The rates are the engine's own:
+chunks of ``max_num_batched_tokens``. The gain is the point prediction discounted by the fits'
+own measured errors (``semkv.cost.Prediction.gain``); a plan predicted under
+``realize_min_gain`` falls back ``low_predicted_gain`` (``span_admission.py`` counts it), and a
+served one carries that figure as ``predicted_gain``. The rates are the engine's own:
 
 - vLLM's forward, every step that prefills: the scheduler attaches the step's work to the
   step's metadata (``step_work``: tokens and attention pairs, from ``num_scheduled_tokens``
@@ -16,12 +18,11 @@ chunks of ``max_num_batched_tokens``. A plan predicted under ``realize_min_gain`
   the block write included (``SemkvWorkerMetadata.realizations``).
 - at start-up, before any realization: the worker times its realization runner on a few
   synthetic spans when the engine registers its KV caches (``realize_calibration.py``: 1,088
-  tokens computed per round, two rounds, 2-5 s on the bundled model on 2 CPU cores), reported
-  with its first step. Chosen over a fixed conservative guess because no constant holds across
-  machines, or across the shapes of one machine: on the bundled model the runner computes a
-  token of a causal prefix about as fast as vLLM (2.65 s against 3.15 s for 1,800 tokens,
-  VLLM_FACTS.md), a gap-heavy span's tokens (attending over a mask) slower, and a GPU's CUDA
-  graphs need not match either.
+  tokens computed per round, two rounds within 10 s), reported with its first step. Chosen
+  over a fixed conservative guess because no constant holds across machines, or across the
+  shapes of one machine: on the bundled model the runner computes a token of a causal prefix
+  about as fast as vLLM (2.65 s against 3.15 s for 1,800 tokens, VLLM_FACTS.md), a gap-heavy
+  span's tokens (attending over a mask) slower, and a GPU's CUDA graphs need not match either.
 
 A plan is priced the way the worker will run it (``plan_work``): the same rows read and
 written, the gaps and the copied tokens its strategy selects; blend's selection is not known

@@ -224,6 +224,22 @@ class SpanRealizer:
 
         return calibrate(self)
 
+    def run_now(self, op: RealizeOp) -> bool:
+        """Realize ``op`` to its end and write it, at once (the start-up calibration); False,
+        with nothing allocated, when its working set is over ``realize_memory_bytes``."""
+        needed = op_working_set(self.runner.geometry, op, self.layout.block_size)
+        if self.memory_bytes is not None and needed > self.memory_bytes:
+            return False
+        steps = self._steps(op, needed)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                cache, _ = end.value
+                break
+        self.write(Realized(op, cache, None, 0.0))
+        return True
+
     # -- one job, step by step -------------------------------------------------------------
     def _steps(self, op: RealizeOp, needed: int,
                ) -> Generator[int, None, tuple[KVCache, list[int]]]:
