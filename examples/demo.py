@@ -47,12 +47,10 @@ def workload(n_docs: int) -> list[tuple[str, str, str]]:
                      f"{sys_b}{d}\n\nQ: {q1}\nA:"))
         other = docs[(i + 1) % len(docs)]
         rows.append(("negative_unrelated", f"{other}\n\nQ: {q1}\nA:", f"{d}\n\nQ: {q2}\nA:"))
-        if i == 0:  # the donor's paragraphs in another order: an uncertified plan class
-            parts = d.split("\n\n")
-            if len(parts) >= 3:
-                swapped = "\n\n".join(parts[len(parts) // 2:] + parts[: len(parts) // 2])
-                rows.append(("reordered_paragraphs", f"{sys_a}{d}\n\nQ: {q1}\nA:",
-                             f"{sys_a}{swapped}\n\nQ: {q1}\nA:"))
+        cut = d.find(". ", len(d) // 2) + 2  # a sentence boundary near the middle
+        if i == 0 and cut > 1:  # the donor's halves in the other order: an uncertified class
+            rows.append(("reordered_halves", f"{sys_a}{d}\n\nQ: {q1}\nA:",
+                         f"{sys_a}{d[cut:]} {d[:cut]}\n\nQ: {q1}\nA:"))
     return rows
 
 
@@ -72,7 +70,7 @@ def main() -> None:
     from semkv.kv_sizing import bundled_kv_cache_bytes
     from semkv.research.quality import rouge_l
 
-    console = Console(width=max(Console().width, 140))  # keep the table readable in CI logs
+    console = Console(width=max(Console().width, 180))  # keep the table readable in CI logs
     extra: dict[str, Any] = {"provider": args.provider, "semantic_mode": args.mode,
                              "min_reuse_tokens": 128}
     if args.provider == "minhash":  # a low LSH threshold: admission copies identical tokens only
