@@ -243,7 +243,10 @@ def test_shifted_multi_donor_realization_runs_end_to_end(llm, rag):
     assert s["confirmed_loaded_tokens"] == s["external_tokens"] == plan.num_tokens
     assert len(plan.donors) >= 2 and plan.shifted_tokens >= 256 and plan.computed_tokens > 0
     # what the request's provenance reports (this module's engine recomputes nothing by default)
-    assert s["span"] == {**plan.summary(), "recomputed": 0, "class": "multi_donor"}
+    # ... and the cost gate's prediction, made with the gate off too (realize_min_gain 0)
+    assert s["span"] == {**plan.summary(), "recomputed": 0, "class": "multi_donor",
+                         "predicted_gain": s["span"]["predicted_gain"]}
+    assert s["span"]["predicted_gain"] > 0
     assert plan.copied_tokens >= 0.5 * len(rag["warm"].prompt_token_ids)
     delta = rag["delta"]
     assert delta["vllm:semkv_span_tokens:copied"] == plan.copied_tokens
