@@ -20,6 +20,10 @@ with three other processes running, the first round's first span alone took 10 s
 past the engine's rotary table, and spans that the donor store, the engine's blocks or
 ``realize_memory_bytes`` cannot hold are skipped. Any failure ends the
 calibration (logged). The bundled model on 2 CPU cores: 1,088 tokens computed per round.
+
+NOTE: no calibration under tensor parallelism: realized spans are refused there, and each rank's
+time budget would end its calibration at another span than the others', leaving the layers'
+all-reduces unpaired (a hang).
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ def calibrate(realizer: SpanRealizer) -> list[tuple[RealizeWork, float]]:
     """(work, fastest seconds) per calibration span run (module docstring)."""
     from semkv_vllm.cost_gate import op_work
 
+    if realizer.reduce is not None:  # tensor parallel (module docstring)
+        log.info("realization_calibration_skipped", why="tensor_parallel_size > 1")
+        return []
     bs = realizer.layout.block_size
     slots = min((int(t.shape[0]) for t in realizer.store.values()), default=0)
     blocks = min((int(t.shape[0]) for t in realizer.kv_caches.values()), default=0)
