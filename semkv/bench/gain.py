@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 
-def _percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
     """Linear-interpolated percentile (numpy's default); None when empty."""
     if not values:
         return None
@@ -41,6 +41,6 @@ def gain_errors(pairs: Iterable[tuple[float | None, float | None]]) -> dict[str,
         "measured_median": statistics.median([m for _, m in both]) if both else None,
         "error_median": statistics.median(errors) if errors else None,
         "abs_error_median": statistics.median(absolute) if absolute else None,
-        "abs_error_p90": _percentile(absolute, 90),
+        "abs_error_p90": percentile(absolute, 90),
         "slower": sum(m < 1.0 for _, m in both),
     }

@@ -12,6 +12,7 @@ import statistics
 from collections import Counter
 from typing import Any
 
+from semkv.bench.gain import percentile
 from semkv.bench.results import ArmResult
 from semkv.bench.spans import EXACT_ARM, span_by_kind, span_fields
 from semkv.bench.workload import Workload
@@ -20,16 +21,6 @@ from semkv.research.quality import first_divergence, rouge_l, token_f1
 LOADED = "vllm:semkv_loaded_tokens"
 LOOKUP = "vllm:semkv_lookup_seconds"
 
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank-interpolated percentile (numpy's default 'linear'); None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def median(values: list[float]) -> float | None:
