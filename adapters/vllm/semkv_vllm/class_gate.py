@@ -28,12 +28,9 @@ from semkv.model_identity import ModelIdentity, ModelIdentityError, model_identi
 from semkv.plan_class import PlanClass
 from semkv.realize.recompute import RecomputeStrategy
 from semkv.types import FallbackReason
+from semkv_vllm.namespace import dtype_name
 
 log = get_logger("semkv.vllm.class_gate")
-
-
-def _text(value: Any) -> str:
-    return str(value).removeprefix("torch.")
 
 
 def model_folder(model: str, revision: str | None) -> Path | None:
@@ -56,7 +53,8 @@ def engine_identity(vllm_config: Any) -> ModelIdentity | None:
     if folder is None:
         return None
     try:
-        return model_identity(folder, dtype=_text(mc.dtype), kv_cache_dtype=_text(cc.cache_dtype))
+        return model_identity(folder, dtype=str(dtype_name(mc.dtype)),
+                              kv_cache_dtype=str(dtype_name(cc.cache_dtype)))
     except ModelIdentityError as exc:
         log.warning("gate_policy_no_model_identity", why=str(exc))
         return None

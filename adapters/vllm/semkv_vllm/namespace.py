@@ -20,7 +20,8 @@ def _read(fn: Callable[[], Any]) -> Any:
         return None
 
 
-def _text(value: Any) -> str | None:
+def dtype_name(value: Any) -> str | None:
+    """A dtype as config text: ``torch.float32`` -> ``float32`` (None stays unknown)."""
     if value is None:
         return None
     return str(value).removeprefix("torch.")
@@ -150,8 +151,8 @@ def namespace_from_vllm_config(vllm_config: Any) -> Namespace:
         tokenizer_id=_read(lambda: str(mc.tokenizer)),
         tokenizer_revision=_read(lambda: _optional(mc.tokenizer_revision)),
         tokenizer_settings=_read(lambda: _tokenizer_settings(mc)),
-        dtype=_read(lambda: _text(mc.dtype)),
-        kv_cache_dtype=_read(lambda: _text(cc.cache_dtype)),
+        dtype=_read(lambda: dtype_name(mc.dtype)),
+        kv_cache_dtype=_read(lambda: dtype_name(cc.cache_dtype)),
         block_size=_read(lambda: int(cc.block_size)),
         kv_layout=None if backend is None else _read(lambda: _kv_layout(vllm_config, backend)),
         attention_isa=_read(lambda: _attention_isa(vllm_config, head_size)),
