@@ -35,6 +35,10 @@ def in_process() -> Iterator[None]:
 
     NOTE: the environment, vLLM's cached environment reads and torch's thread count are restored
     afterwards, even when the engine fails to start, so later engines start multiprocess again.
+    NOTE: an engine that fails after its worker built the KV connector (a start-up ConfigError
+    raised by the scheduler-side connector) leaves vLLM's process-global connector agent set;
+    a later in-process engine without a connector would then assert on missing connector
+    metadata. It is shut down here.
     """
     import torch
     import vllm.envs
@@ -50,6 +54,10 @@ def in_process() -> Iterator[None]:
             os.environ[IN_PROCESS] = before
         vllm.envs.disable_envs_cache()
         torch.set_num_threads(threads)
+        with contextlib.suppress(Exception):
+            from vllm.distributed.kv_transfer import kv_transfer_state
+
+            kv_transfer_state.ensure_kv_transfer_shutdown()
 
 
 @contextlib.contextmanager
