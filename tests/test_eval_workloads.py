@@ -100,6 +100,10 @@ def test_labels_and_true_donors_are_consistent(workload: Workload) -> None:
             assert {d.prompt_id for d in donors.values() if d.cluster_id == target.cluster_id} \
                 == set(target.metadata["donor_ids"])
             continue
+        if target.kind is ClusterKind.QUOTED_SECTION:  # the donor's document, quoted in another
+            assert target.metadata["doc_ids"][1:] == donor.metadata["doc_ids"]
+            assert target.metadata["donor_ids"] == [target.true_donor_id]
+            continue
         assert donor.metadata["doc_ids"] == target.metadata["doc_ids"] or (
             target.kind is ClusterKind.REORDERED_CHUNKS
             and sorted(donor.metadata["doc_ids"]) == sorted(target.metadata["doc_ids"])
@@ -202,6 +206,8 @@ def test_shared_content_is_token_identical_under_bpe() -> None:
             assert run >= 60, target  # at least one whole passage
         elif target.kind is ClusterKind.MULTI_PASSAGE_RAG:
             assert run >= 0.8 * (len(a) - 60), target  # the donor's whole passage
+        elif target.kind is ClusterKind.QUOTED_SECTION:
+            assert run >= 0.25 * len(b), (target, run, len(b))  # the quoted section
         else:  # the whole document, less the edited lead-in lines where there are some
             assert run >= 0.8 * len(b), (target, run, len(b))
 

@@ -4,8 +4,8 @@ Every builder returns the prompts of one cluster: donors (registered first) and 
 naming its true donor, or None). Documents and passages are never reused across clusters, so a
 target's true donor is the only prompt of the workload that shares its material; negatives
 avoid every essay that a donor uses while unused essays remain. The builders of targets that
-reuse several donors, or segments after a differing instruction, are in
-``semkv.eval.segmented``; ``BUILDERS`` registers every kind.
+reuse several donors, segments after a differing instruction, or a donor's section quoted
+inside another document, are in ``semkv.eval.segmented``; ``BUILDERS`` registers every kind.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from semkv.eval.context import (
 )
 from semkv.eval.corpus import WikiLead
 from semkv.eval.model import ClusterKind, Prompt
-from semkv.eval.segmented import cross_instruction_task_first, multi_passage_rag
+from semkv.eval.segmented import cross_instruction_task_first, multi_passage_rag, quoted_section
 
 __all__ = ["BUILDERS", "DEFAULT_PASSAGES", "LEAD_LINES", "MIN_PASSAGES", "Context", "Tokenizer",
            "WorkloadSizeError"]
@@ -161,4 +161,5 @@ BUILDERS: dict[ClusterKind, Callable[[Context, int], list[Prompt]]] = {
     ClusterKind.NEGATIVE_SAME_TOPIC: negative_same_topic,
     ClusterKind.MULTI_PASSAGE_RAG: multi_passage_rag,
     ClusterKind.CROSS_INSTRUCTION_TASK_FIRST: cross_instruction_task_first,
+    ClusterKind.QUOTED_SECTION: quoted_section,
 }

@@ -31,6 +31,7 @@ class ClusterKind(str, Enum):
     # Added later (see LATER_KINDS): targets realized from donor segments and computed gaps.
     MULTI_PASSAGE_RAG = "multi_passage_rag"  # k passages, each from another donor, new order
     CROSS_INSTRUCTION_TASK_FIRST = "cross_instruction_task_first"  # another task, same document
+    QUOTED_SECTION = "quoted_section"  # another document quoting a donor's section elsewhere
 
     def __str__(self) -> str:
         return self.value
@@ -43,8 +44,10 @@ class ClusterKind(str, Enum):
 KINDS: tuple[ClusterKind, ...] = tuple(ClusterKind)
 # Kinds added after results were published. ``build_workload`` builds them after all others,
 # from their own random stream, so the clusters of the other kinds stay identical for a seed.
+# A kind added later is appended here, never inserted: the kinds before it draw what they drew.
 LATER_KINDS: tuple[ClusterKind, ...] = (
     ClusterKind.MULTI_PASSAGE_RAG, ClusterKind.CROSS_INSTRUCTION_TASK_FIRST,
+    ClusterKind.QUOTED_SECTION,
 )
 
 
