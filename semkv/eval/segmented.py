@@ -17,8 +17,11 @@ plan (``semkv.span_plan.plan_span``: copied donor segments, re-rotated, and comp
   default: about 30-50 % of the prompt; never the donor's first line) is quoted between blank
   lines at another place: host text before and after it, and a relative offset at least
   ``MIN_SHIFT`` away from the donor's. System prompt, chat wrapper, instruction (a paraphrase)
-  and question all differ from the donor's, so the one copied run is the section, shifted,
-  among computed text: the shape ``semkv.plan_class`` calls ``gap_dominated``.
+  and question all differ from the donor's, so the section is the one long copied run (a few
+  coincidental tokens aside), shifted, among computed text: the shape ``semkv.plan_class``
+  calls ``gap_dominated``. Its metadata says where (``quoted_lines``, ``host_line``,
+  ``donor_offset``, ``target_offset``, ``section_share``: line numbers and shares, no text).
+  With a budget under ~200 tokens the documents are too short (``WorkloadSizeError``).
 
 Labels, following the other kinds: every target names ``true_donor_id`` (for the RAG target
 the donor of its first passage) and, in its metadata, ``donor_ids`` (every donor it is meant to
