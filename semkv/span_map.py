@@ -26,6 +26,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import eq as eq_
+from operator import gt, is_not
 
 from semkv.types import QualityTier
 
@@ -65,12 +68,83 @@ class SpanMap:
         return lo, hi
 
 
+def kgrams(tokens: Sequence[int], start: int, end: int, k: int) -> list[tuple[int, ...]]:
+    """The k-grams of ``tokens`` that start at ``[start, end)`` and fit (built in C, by zip)."""
+    m = min(end, len(tokens) - k + 1) - start
+    if m <= 0:
+        return []
+    return list(zip(*(tokens[start + j: start + j + m] for j in range(k)), strict=True))
+
+
 def _anchor_index(donor: Sequence[int], k: int) -> dict[tuple[int, ...], int]:
     """First donor position of every k-gram (first occurrence wins: stable, left-most)."""
-    index: dict[tuple[int, ...], int] = {}
-    for i in range(len(donor) - k + 1):
-        index.setdefault(tuple(donor[i : i + k]), i)
-    return index
+    grams = kgrams(donor, 0, len(donor), k)
+    # Built from the end: a later (smaller) position overwrites, so each gram keeps its first.
+    return dict(zip(reversed(grams), range(len(grams) - 1, -1, -1), strict=True))
+
+
+_FIRST_WINDOW, _LAST_WINDOW = 32, 1024  # positions compared per step along a run (doubling)
+
+
+def _walk(target: list[int], donor: Sequence[int], start: int, end: int,
+          hits: list[int | None], resume_with: int | None) -> tuple[list[int], list[bool]]:
+    """The map walk over ``[start, end)``; ``hits[p - start]``: the donor position of the anchor
+    at target position p (None: none). Off the donor's end without an anchor the walk stops
+    (``resume_with`` None, ``map_tokens``) or emits ``resume_with`` until the next anchor.
+
+    Along a diagonal (consecutive donor positions) it compares a window of positions at a time
+    with C-level ``map``: only an anchor at a differing token can end the run there.
+    """
+    last = len(donor) - 1
+    has = list(map(is_not, hits, repeat(None)))
+    sources: list[int] = []
+    same: list[bool] = []
+    p, nxt, on = start, min(start, last), last >= 0
+    while p < end:
+        if on and nxt <= last:
+            d = nxt - p  # the diagonal: donor position - target position
+            stop, w = min(end, last + 1 - d), _FIRST_WINDOW
+            while p < stop:
+                e = min(stop, p + w)
+                eq = list(map(eq_, target[p:e], donor[p + d: e + d]))
+                jumps = list(map(gt, has[p - start: e - start], eq))  # an anchor, tokens differ
+                i = jumps.index(True) if True in jumps else e - p
+                sources.extend(range(p + d, p + d + i))
+                same.extend(eq[:i])
+                p += i
+                if p < e:
+                    break
+                w = min(2 * w, _LAST_WINDOW)
+            nxt = p + d
+            if p == stop:
+                continue  # the end, or the donor's end: the next position decides
+        jump = hits[p - start]  # a differing token, past the donor's end, or off the donor
+        if jump is not None:
+            sources.append(jump)
+            same.append(donor[jump] == target[p])
+            p, nxt, on = p + 1, jump + 1, True
+            continue
+        if resume_with is None:
+            break  # ran off the donor: no KV to serve from here on
+        try:
+            j = has.index(True, p - start) + start
+        except ValueError:
+            j = end
+        sources.extend([resume_with] * (j - p))
+        same.extend([False] * (j - p))
+        p, on = j, False
+    return sources, same
+
+
+def walk_donor(target: list[int], donor: Sequence[int], start: int, end: int, k: int,
+               grams: list[tuple[int, ...]], resume_with: int | None = None,
+               ) -> tuple[list[int], list[bool]]:
+    """``map_tokens`` with the target's k-grams from ``start`` given (``kgrams``: built once for
+    every donor of a target), and optionally resumed past the donor's end (``resume_with``)."""
+    anchors = _anchor_index(donor, k)
+    hits = list(map(anchors.get, grams[: end - start]))
+    hits.extend([None] * (end - start - len(hits)))  # grams that would run past the target
+    return _walk(target, donor, start, end, hits, resume_with)
 
 
 def map_tokens(
@@ -85,23 +159,8 @@ def map_tokens(
     if not donor or end <= start:
         return [], []
     k = max(1, anchor_tokens)
-    anchors = _anchor_index(donor, k)
-    last = len(donor) - 1
-    sources: list[int] = []
-    same: list[bool] = []
-    q = -1
-    for p in range(start, end):
-        nxt = q + 1 if q >= 0 else min(p, last)
-        if nxt > last or donor[nxt] != target[p]:
-            jump = anchors.get(tuple(target[p : p + k])) if p + k <= len(target) else None
-            if jump is not None:
-                nxt = jump
-            elif nxt > last:
-                break  # ran off the donor: no KV to serve from here on
-        q = nxt
-        sources.append(q)
-        same.append(donor[q] == target[p])
-    return sources, same
+    ids = target if isinstance(target, list) else list(target)
+    return walk_donor(ids, donor, start, end, k, kgrams(ids, start, end, k))
 
 
 def _segments(start: int, sources: Sequence[int]) -> tuple[tuple[int, int, int], ...]:

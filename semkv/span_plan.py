@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from semkv.span_map import DEFAULT_ANCHOR_TOKENS, map_tokens
+from semkv.span_map import DEFAULT_ANCHOR_TOKENS, kgrams, walk_donor
 
 DEFAULT_CHUNK_TOKENS = 64  # the same default as semkv.research.donors.DEFAULT_CHUNK_TOKENS
 DEFAULT_MIN_RUN_TOKENS = 4
@@ -154,39 +154,21 @@ class ReuseDecision:
     runs: tuple[SpanSegment, ...]  # the reused positions, as copied segments in target order
 
 
-def _map_donor(target: Sequence[int], donor: Sequence[int], k: int) -> tuple[list[int], list[bool]]:
+def _map_donor(target: list[int], donor: Sequence[int], k: int,
+               grams: list[tuple[int, ...]]) -> tuple[list[int], list[bool]]:
     """``map_tokens`` over the whole target, continued past the point where it ran off the donor.
 
     ``map_tokens`` stops for good at the first position after its walk passed the donor's end
     that starts no anchor. A short donor (one passage) whose text comes late in the target
     (after other donors' passages) would then never be reached; so from there on each target
     position is looked up again (NO_SOURCE until an anchor matches, then the usual walk).
-    Positions before that point are exactly ``map_tokens``'s.
+    Positions before that point are exactly ``map_tokens``'s. ``grams``: the target's k-grams
+    (``k = max(1, anchor_tokens)``), built once for all donors.
     """
     n = len(target)
-    sources, same = map_tokens(target, donor, 0, n, anchor_tokens=k)
-    if len(sources) == n or not donor:
-        return sources + [NO_SOURCE] * (n - len(sources)), same + [False] * (n - len(same))
-    k = max(1, k)
-    anchors: dict[tuple[int, ...], int] = {}
-    for i in range(len(donor) - k + 1):
-        anchors.setdefault(tuple(donor[i: i + k]), i)  # first occurrence, as map_tokens
-    last, q = len(donor) - 1, -1  # q = -1: off the donor, waiting for an anchor
-    for p in range(len(sources), n):
-        nxt = q + 1 if q >= 0 else -1
-        if not 0 <= nxt <= last or donor[nxt] != target[p]:
-            jump = anchors.get(tuple(target[p: p + k])) if p + k <= n else None
-            if jump is not None:
-                nxt = jump
-            elif not 0 <= nxt <= last:
-                q = -1
-                sources.append(NO_SOURCE)
-                same.append(False)
-                continue
-        q = nxt
-        sources.append(q)
-        same.append(donor[q] == target[p])
-    return sources, same
+    if not donor:
+        return [NO_SOURCE] * n, [False] * n
+    return walk_donor(target, donor, 0, n, k, grams, resume_with=NO_SOURCE)
 
 
 def _best_donor_per_chunk(
@@ -247,7 +229,10 @@ def decide_reuse(
     if chunk_tokens < 1:
         raise ValueError("chunk_tokens must be positive")
     n = len(target)
-    maps = {d: _map_donor(target, ids, anchor_tokens) for d, ids in donors.items()}
+    ids = target if isinstance(target, list) else list(target)  # e.g. vLLM's ConstantList
+    k = max(1, anchor_tokens)
+    grams = kgrams(ids, 0, n, k)  # one target's k-grams, for every donor
+    maps = {d: _map_donor(ids, tokens, k, grams) for d, tokens in donors.items()}
     donor_ids, positions, identical = _best_donor_per_chunk(n, maps, chunk_tokens)
     # The last prompt token is never reused: its logits start the generation.
     usable = [(identical[p] or (reuse_mismatched and donor_ids[p] is not None)) and p != n - 1

@@ -1,0 +1,156 @@
+"""The map walk (``semkv.span_map.map_tokens``, ``semkv.span_plan._map_donor``) is the same as
+the per-position loops it replaced (issue #25: span planning time), on shapes that exercise
+every branch: runs, jumps at differing tokens, the donor's end, resuming after it, repeated
+k-grams (first occurrence wins), anchors that run past the target, short and empty donors.
+
+``reference_*`` below are the loops as they were, kept verbatim as the specification.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+from collections.abc import Sequence
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from semkv.span_map import kgrams, map_span, map_tokens
+from semkv.span_plan import NO_SOURCE, _map_donor, decide_reuse, plan_span
+
+
+def reference_map_tokens(target: Sequence[int], donor: Sequence[int], start: int, end: int,
+                         *, anchor_tokens: int = 8) -> tuple[list[int], list[bool]]:
+    if not donor or end <= start:
+        return [], []
+    k = max(1, anchor_tokens)
+    anchors: dict[tuple[int, ...], int] = {}
+    for i in range(len(donor) - k + 1):
+        anchors.setdefault(tuple(donor[i: i + k]), i)
+    last = len(donor) - 1
+    sources: list[int] = []
+    same: list[bool] = []
+    q = -1
+    for p in range(start, end):
+        nxt = q + 1 if q >= 0 else min(p, last)
+        if nxt > last or donor[nxt] != target[p]:
+            jump = anchors.get(tuple(target[p: p + k])) if p + k <= len(target) else None
+            if jump is not None:
+                nxt = jump
+            elif nxt > last:
+                break
+        q = nxt
+        sources.append(q)
+        same.append(donor[q] == target[p])
+    return sources, same
+
+
+def reference_map_donor(target: Sequence[int], donor: Sequence[int],
+                        k: int) -> tuple[list[int], list[bool]]:
+    n = len(target)
+    sources, same = reference_map_tokens(target, donor, 0, n, anchor_tokens=k)
+    if len(sources) == n or not donor:
+        return sources + [NO_SOURCE] * (n - len(sources)), same + [False] * (n - len(same))
+    k = max(1, k)
+    anchors: dict[tuple[int, ...], int] = {}
+    for i in range(len(donor) - k + 1):
+        anchors.setdefault(tuple(donor[i: i + k]), i)
+    last, q = len(donor) - 1, -1
+    for p in range(len(sources), n):
+        nxt = q + 1 if q >= 0 else -1
+        if not 0 <= nxt <= last or donor[nxt] != target[p]:
+            jump = anchors.get(tuple(target[p: p + k])) if p + k <= n else None
+            if jump is not None:
+                nxt = jump
+            elif not 0 <= nxt <= last:
+                q = -1
+                sources.append(NO_SOURCE)
+                same.append(False)
+                continue
+        q = nxt
+        sources.append(q)
+        same.append(donor[q] == target[p])
+    return sources, same
+
+
+@st.composite
+def target_and_donor(draw: st.DrawFn) -> tuple[list[int], list[int]]:
+    """A donor, and a target made of its pieces (any order, repeated), other tokens and noise;
+    a small vocabulary so that tokens and k-grams repeat by chance too."""
+    vocab = draw(st.sampled_from([3, 8, 50_000]))
+    tokens = st.integers(min_value=0, max_value=vocab)
+    donor = draw(st.lists(tokens, max_size=300))
+    target: list[int] = []
+    for _ in range(draw(st.integers(min_value=0, max_value=8))):
+        if donor and draw(st.booleans()):
+            a = draw(st.integers(min_value=0, max_value=len(donor) - 1))
+            b = draw(st.integers(min_value=a, max_value=len(donor)))
+            piece = donor[a:b]
+            if piece and draw(st.booleans()):  # one token changed inside the piece
+                piece[draw(st.integers(min_value=0, max_value=len(piece) - 1))] = vocab + 1
+            target += piece
+        else:
+            target += draw(st.lists(tokens, max_size=80))
+    return target, donor
+
+
+@settings(max_examples=400, deadline=None)
+@given(target_and_donor(), st.sampled_from([1, 2, 3, 8]), st.data())
+def test_map_tokens_is_the_per_position_walk(pair: tuple[list[int], list[int]], k: int,
+                                             data: st.DataObject) -> None:
+    target, donor = pair
+    start = data.draw(st.integers(min_value=0, max_value=len(target)))
+    end = data.draw(st.integers(min_value=start, max_value=len(target)))
+    want = reference_map_tokens(target, donor, start, end, anchor_tokens=k)
+    assert map_tokens(target, donor, start, end, anchor_tokens=k) == want
+    # the token containers the engine passes: vLLM's ConstantList (a Sequence), array('q')
+    assert map_tokens(tuple(target), array("q", donor), start, end, anchor_tokens=k) == want
+
+
+@settings(max_examples=400, deadline=None)
+@given(target_and_donor(), st.sampled_from([1, 2, 3, 8]))
+def test_the_continued_map_is_the_per_position_walk(pair: tuple[list[int], list[int]],
+                                                    k: int) -> None:
+    target, donor = pair
+    want = reference_map_donor(target, donor, k)
+    assert _map_donor(target, donor, k, kgrams(target, 0, len(target), k)) == want
+    assert _map_donor(target, array("q", donor), k, kgrams(target, 0, len(target), k)) == want
+
+
+def test_long_runs_cross_every_window_and_jumps_land_inside_them() -> None:
+    rng = random.Random(7)
+    doc = [rng.randrange(50_000) for _ in range(5000)]
+    # chunks out of order, a changed token every 700, a passage past the donor's end
+    target = doc[3000:4200] + doc[:1500] + [1] + doc[1501:2900] + doc[4990:] + doc[100:900]
+    for i in range(0, len(target), 700):
+        target[i] = 2
+    for donor in (doc, doc[:2000], doc[2500:]):
+        assert map_tokens(target, donor, 0, len(target)) == \
+            reference_map_tokens(target, donor, 0, len(target))
+        assert _map_donor(target, donor, 8, kgrams(target, 0, len(target), 8)) == \
+            reference_map_donor(target, donor, 8)
+
+
+class Constant(Sequence[int]):
+    """A read-only Sequence like vLLM's ConstantList (``Request.all_token_ids``)."""
+
+    def __init__(self, x: list[int]) -> None:
+        self._x = x
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN204
+        return self._x[i]
+
+    def __len__(self) -> int:
+        return len(self._x)
+
+
+def test_a_read_only_sequence_target_plans_as_a_list() -> None:
+    rng = random.Random(3)
+    doc = [rng.randrange(50_000) for _ in range(900)]
+    target = [5, 6, 7] + doc[400:] + doc[:400] + [9]
+    donors = {"a": array("q", doc[:512]), "b": doc[448:]}
+    assert decide_reuse(Constant(target), donors) == decide_reuse(target, donors)
+    assert plan_span(Constant(target), donors, local_tokens=0, block_size=32) == \
+        plan_span(target, donors, local_tokens=0, block_size=32)
+    assert map_span(Constant(target), doc, 0, 32, max_tokens=800) == \
+        map_span(target, doc, 0, 32, max_tokens=800)
