@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import difflib
 import random
-import zlib
-from collections.abc import Callable
 
 import pytest
 
@@ -30,6 +28,7 @@ from semkv.eval.corpus import essay_documents
 from semkv.eval.segmented import MIN_SHIFT, quoted_section
 from semkv.plan_class import PlanClass, plan_class
 from semkv.span_plan import plan_span
+from tests.eval_tokenizers import bpe, words
 
 try:
     assets.essays_dir()
@@ -40,20 +39,8 @@ except assets.MissingAssetError as exc:  # pragma: no cover - depends on the ins
 QUOTED = ClusterKind.QUOTED_SECTION
 
 
-def _words(text: str) -> list[int]:
-    """A stand-in tokenizer: one stable id per whitespace-separated word."""
-    return [zlib.crc32(w.encode()) % 50_000 for w in text.split()]
 
 
-def _bpe() -> Callable[[str], list[int]]:
-    tokenizers = pytest.importorskip("tokenizers")
-    from semkv.bundled_model import model_dir
-
-    path = model_dir() / "tokenizer.json"
-    if not path.exists():
-        pytest.skip("bundled model not converted here (semkv.bundled_model.ensure_model)")
-    tok = tokenizers.Tokenizer.from_file(str(path))
-    return lambda text: tok.encode(text, add_special_tokens=False).ids
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +130,7 @@ def test_adding_the_kind_leaves_every_other_cluster_unchanged(workload: Workload
 @pytest.mark.parametrize(("tokenizer", "target_tokens"),
                          [("words", 600), ("bpe", 512), ("bpe", 1024)])
 def test_the_plan_is_one_shifted_section_among_gaps(tokenizer: str, target_tokens: int) -> None:
-    tok = _words if tokenizer == "words" else _bpe()
+    tok = words if tokenizer == "words" else bpe()
     wl = build_workload(5, clusters_per_type=3, target_tokens=target_tokens, tokenizer=tok,
                         kinds=[QUOTED])
     for target in _targets(wl):

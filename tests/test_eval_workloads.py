@@ -8,8 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import zlib
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,6 +26,7 @@ from semkv.eval import (
     chat_wrap,
 )
 from semkv.span_plan import plan_span
+from tests.eval_tokenizers import bpe, words
 
 try:
     assets.essays_dir()
@@ -36,21 +35,8 @@ except assets.MissingAssetError as exc:  # pragma: no cover - depends on the ins
     pytest.skip(f"offline corpora not installed: {exc}", allow_module_level=True)
 
 
-def _words(text: str) -> list[int]:
-    """A stand-in tokenizer: one stable id per whitespace-separated word."""
-    return [zlib.crc32(w.encode()) % 50_000 for w in text.split()]
 
 
-def _bpe() -> Callable[[str], list[int]]:
-    """The bundled model's real BPE tokenizer, when converted on this machine."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from semkv.bundled_model import model_dir
-
-    path = model_dir() / "tokenizer.json"
-    if not path.exists():
-        pytest.skip("bundled model not converted here (semkv.bundled_model.ensure_model)")
-    tok = tokenizers.Tokenizer.from_file(str(path))
-    return lambda text: tok.encode(text, add_special_tokens=False).ids
 
 
 @pytest.fixture(scope="module")
@@ -184,9 +170,9 @@ def _prefix(a: str, b: str) -> int:
 
 
 def test_length_control_with_a_tokenizer() -> None:
-    wl = build_workload(3, clusters_per_type=2, target_tokens=600, tokenizer=_words)
+    wl = build_workload(3, clusters_per_type=2, target_tokens=600, tokenizer=words)
     for prompt in (*wl.donors, *wl.targets):
-        assert prompt.token_ids is not None and prompt.token_ids == tuple(_words(prompt.text))
+        assert prompt.token_ids is not None and prompt.token_ids == tuple(words(prompt.text))
         want = 600
         if prompt.kind is ClusterKind.MULTI_PASSAGE_RAG and prompt.role == "donor":
             want = 600 // len(wl.prompt(f"{prompt.cluster_id}/target").metadata["donor_ids"])
@@ -194,8 +180,8 @@ def test_length_control_with_a_tokenizer() -> None:
 
 
 def test_shared_content_is_token_identical_under_bpe() -> None:
-    bpe = _bpe()
-    wl = build_workload(5, clusters_per_type=2, target_tokens=1024, tokenizer=bpe)
+    tok = bpe()
+    wl = build_workload(5, clusters_per_type=2, target_tokens=1024, tokenizer=tok)
     for target in wl.targets:
         if target.true_donor_id is None:
             continue
@@ -226,7 +212,7 @@ def _span_plans(wl: Workload, kind: ClusterKind) -> list[tuple[Prompt, int, list
 
 @pytest.mark.parametrize("tokenizer", ["words", "bpe"])
 def test_segmented_kinds_are_served_by_span_plans(tokenizer: str) -> None:
-    tok = _words if tokenizer == "words" else _bpe()
+    tok = words if tokenizer == "words" else bpe()
     wl = build_workload(5, clusters_per_type=2, target_tokens=1024, tokenizer=tok)
     for target, copied, used in _span_plans(wl, ClusterKind.MULTI_PASSAGE_RAG):
         assert len(used) >= 2, target  # several donors, together >= half of the prompt
