@@ -59,6 +59,8 @@ FAMILIES: dict[str, tuple[str | None, str]] = {
                                   "request was aborted (its blocks are never written)."),
     "transfer_timeouts": (None, "Realizations and donor fetches past transfer_timeout_s: "
                                 "reported invalid, vLLM recomputes the span (load_failed)."),
+    "realize_nonfinite": (None, "Realizations whose K or V held a NaN or inf: never written, "
+                                "reported invalid, vLLM recomputes the span (load_failed)."),
     "request_only_blocks": (None, "Blocks served request-only: never exact prefix-cache state."),
     "span_tokens": ("kind", "Realized spans' tokens (worker-confirmed): copied from donors, of "
                             "which shifted (keys re-rotated), computed inside the span, and "

@@ -204,6 +204,16 @@ class SpanRealizer:
         return Realized(job.op, cache, error, busy, recomputed, job.working_set,
                         tuple(job.spans))
 
+    def finite(self, realized: Realized) -> bool:
+        """Is every K and V value of the span finite? A NaN or inf written into the request's
+        blocks would be read by every later token (greedy answers of token id 0): such a
+        realization is reported invalid and recomputed instead (``nonfinite_kv``)."""
+        op, cache = realized.op, realized.cache
+        assert cache is not None
+        lo, hi = op.local_tokens, op.span_tokens
+        return all(bool(torch.isfinite(part[layer][0, :, lo:hi]).all())
+                   for part in (cache.keys, cache.values) for layer in range(len(part)))
+
     def write(self, realized: Realized) -> None:
         """The span's KV into the request's blocks (main thread, between steps)."""
         op, cache = realized.op, realized.cache

@@ -15,6 +15,8 @@ NOTE: an op still unreported ``transfer_timeout_s`` after it arrived (a retrieve
 never answers, a realization starved by busy steps) is reported invalid: vLLM recomputes the
 span, the request's output is the cold one (``transfer_timeouts``, ``load_failed``). Wall-clock
 deadlines differ between ranks: realized spans are refused under tensor parallelism.
+NOTE: a realization whose K or V holds a NaN or inf is never written: reported invalid and
+recomputed (``realize_nonfinite``, ``load_failed`` why ``nonfinite_kv``).
 NOTE: a realization that ends well is the cost gate's sample (``cost_gate.op_work`` of the op,
 its busy chunks and its write, timed on the realizer's device clock); failed, cancelled and
 expired ones are not (their time says nothing about the rates).
@@ -149,8 +151,12 @@ class SpanJobs:
             if self._stale(op):
                 self.fail(op, "slot_rewritten")
                 return
+        assert w.realizer is not None
+        if not w.realizer.finite(done):
+            w.stats.inc("realize_nonfinite")
+            self.fail(op, "nonfinite_kv")
+            return
         try:
-            assert w.realizer is not None
             start = w.timings.clock.mark()
             w.realizer.write(done)
             for kv in w.kv_caches.values():

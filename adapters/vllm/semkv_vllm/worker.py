@@ -75,7 +75,8 @@ class WorkerSide:
         self._saves_in_flight: list[Future[_SaveResult]] = []
         self.rope = rope
         self.layout: PageLayout | None = None  # set when the pages' interior is known
-        self._maps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(op) -> (op, map): the op is kept so that an id reused by a later op never matches
+        self._maps: dict[int, tuple[LoadOp, torch.Tensor, torch.Tensor]] = {}
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.store: dict[str, torch.Tensor] = {}
         self.slot_generation = [0] * num_slots
@@ -214,8 +215,8 @@ class WorkerSide:
     def _token_map(self, op: LoadOp) -> tuple[torch.Tensor, torch.Tensor]:
         """Per target token: index into the op's donor pages, and its position shift."""
         cached = self._maps.get(id(op))
-        if cached is not None:
-            return cached
+        if cached is not None and cached[0] is op:
+            return cached[1], cached[2]
         assert op.segments is not None
         base = op.donor_first_block * self.layout.block_size if self.layout else 0
         donor_pos = [d + i for _, d, n in op.segments for i in range(n)]
@@ -224,7 +225,7 @@ class WorkerSide:
             raise ValueError("segments do not cover the target blocks exactly")
         source = torch.as_tensor(donor_pos, dtype=torch.long) - base
         deltas = torch.as_tensor(target_pos, dtype=torch.long) - torch.as_tensor(donor_pos)
-        self._maps[id(op)] = (source, deltas)
+        self._maps[id(op)] = (op, source, deltas)
         return source, deltas
 
     def _pending_layers_for(self, op: LoadOp) -> bool:
