@@ -112,11 +112,12 @@ def delta_seconds(run: Any, name: str) -> float:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from semkv_vllm.bench.engine import configure_process, generate, open_engine
+    from semkv_vllm.bench.frontier import donors_of, engine_arm, most_donors
+
     from semkv.bench.config import preset
     from semkv.bench.frontier import OFF
     from semkv.bench.workload import load_workload
-    from semkv_vllm.bench.engine import configure_process, generate, open_engine
-    from semkv_vllm.bench.frontier import donors_of, engine_arm, most_donors
 
     config = preset("frontier", kinds=tuple(args.kinds), clusters_per_type=args.clusters,
                     target_tokens=args.target_tokens, max_tokens=args.max_tokens,
@@ -175,7 +176,8 @@ def report(raw: dict[str, Any]) -> None:
         shares = [med([r["profiled"][k] / r["profiled"]["wall"] for r in rs]) for k in keys]
         print(f"| {kind} | {strategy} | {len(rs)} | {served} | "
               f"{med([r['prompt_tokens'] for r in rs]):.0f} | "
-              f"{med([r['cold_ttft_s'] for r in rs]):.2f} s | {med([r['ttft_s'] for r in rs]):.2f} s"
+              f"{med([r['cold_ttft_s'] for r in rs]):.2f} s | "
+              f"{med([r['ttft_s'] for r in rs]):.2f} s"
               f" | {med([r['speedup'] for r in rs]):.2f}x | "
               f"{med([r['lookup_s'] for r in rs]) * 1e3:.1f} ms | "
               f"{med([r['realize_s'] for r in rs]):.2f} s | "
