@@ -18,10 +18,17 @@ strategy adds:
 - ``first_k_blend``: ``blend`` whose selection always holds the first k tokens of every reused
   segment (a halo after each gap or change of donor), the rest of the budget by deviation.
 - ``full``: a full prefill, no reuse: the reference.
+- ``oracle`` (measurement only, research only): the reused tokens ranked by their TRUE
+  deviation from the cold KV (a full prefill's), summed over every layer, the top ``ratio``
+  (the same budget as blend) computed through every layer from layer 0 with the rest. No
+  selector can know the cold KV; at each share it shows what the best selection of single
+  tokens could reach: a curve far below blend's says the selector is weak, a curve near it
+  says the case is hard.
 
 The selection and the layered execution are ``semkv.realize.recompute``'s, the module the
 engine's worker realizes spans with (one realization semantics, two runners): ``ratio`` is its
-``fraction``, a fraction of the prompt's tokens. ``full`` stays here (no reuse at all).
+``fraction``, a fraction of the prompt's tokens. ``full`` and ``oracle`` stay here (no reuse
+at all; a selection that needs the cold KV).
 
 The result carries the cache (capacity for the generation), the next-token logits and, per
 layer range, which positions were computed: the input of the FLOPs estimate.
@@ -40,6 +47,10 @@ from semkv.realize.recompute import (
     DEFAULT_PROBE_LAYERS,
     RecomputeKind,
     RecomputeStrategy,
+    budget,
+    copied_positions,
+    deviation,
+    rank,
     recompute,
 )
 from semkv.research.assembly import NO_SOURCE, ReusePlan, Segment, assemble
@@ -47,7 +58,7 @@ from semkv.research.donors import DonorStore
 from semkv.span_plan import SpanPlan
 
 __all__ = ["DEFAULT_PROBE_LAYERS", "PrefillResult", "Strategy", "StrategyKind", "plan_of_span",
-           "prefill", "runs", "shared"]
+           "prefill", "runs", "shared", "without"]
 
 
 class StrategyKind(str, Enum):
@@ -56,6 +67,7 @@ class StrategyKind(str, Enum):
     BLEND = "blend"
     FIRST_K_BLEND = "first_k_blend"
     FULL = "full"
+    ORACLE = "oracle"
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,12 @@ class Strategy:
     def full(cls) -> Strategy:
         return cls(StrategyKind.FULL)
 
+    @classmethod
+    def oracle(cls, ratio: float) -> Strategy:
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError("oracle needs 0 <= ratio <= 1")
+        return cls(StrategyKind.ORACLE, ratio=ratio)
+
     @property
     def name(self) -> str:
         if self.kind is StrategyKind.FIRST_K:
@@ -100,6 +118,8 @@ class Strategy:
             return f"blend{round(self.ratio * 100)}"
         if self.kind is StrategyKind.FIRST_K_BLEND:
             return f"first{self.first_k}+blend{round(self.ratio * 100)}"
+        if self.kind is StrategyKind.ORACLE:
+            return f"oracle{round(self.ratio * 100)}"
         return str(self.kind.value)
 
 
@@ -129,8 +149,8 @@ class PrefillResult:
 
 def shared(strategy: Strategy) -> RecomputeStrategy:
     """The engine-shared strategy (``semkv.realize.recompute``) for a research strategy."""
-    if strategy.kind is StrategyKind.FULL:
-        raise ValueError("full is a plain prefill, not a recompute strategy")
+    if strategy.kind in (StrategyKind.FULL, StrategyKind.ORACLE):
+        raise ValueError(f"{strategy.kind.value} is research's own, not a shared strategy")
     return RecomputeStrategy(RecomputeKind(strategy.kind.value), fraction=strategy.ratio,
                              first_k=max(1, strategy.first_k),
                              probe_layers=strategy.probe_layers)
@@ -153,6 +173,8 @@ def prefill(
         cache, logits = lm.full_prefill(target, capacity, all_logits=False)
         return PrefillResult(cache, logits[-1], n, [(range(lm.num_layers), list(range(n)))])
     cache = assemble(plan, store, lm, capacity=capacity, rotate=rotate)
+    if strategy.kind is StrategyKind.ORACLE:
+        return _oracle(lm, target, plan, cache, strategy, capacity)
     # The selection and layered execution are the engine's own (semkv.realize.recompute): every
     # position is realized here, the plan's segments are the copied runs, n the prompt tokens.
     done = recompute(lm, cache, range(n), runs(plan), dict(enumerate(target)), shared(strategy),
@@ -180,3 +202,37 @@ def plan_of_span(span: SpanPlan, num_tokens: int) -> ReusePlan:
             donor_ids[p], positions[p], identical[p] = seg.donor_id, seg.donor_start + i, True
     return ReusePlan(num_tokens, tuple(donor_ids), tuple(positions), tuple(identical),
                      tuple(segments))
+
+
+def without(copied: Sequence[tuple[int, int]], chosen: set[int]) -> list[tuple[int, int]]:
+    """The copied runs less the ``chosen`` positions (which become gaps: computed fresh)."""
+    out: list[tuple[int, int]] = []
+    for start, length in copied:
+        run_start = None
+        for p in range(start, start + length + 1):
+            keep = p < start + length and p not in chosen
+            if keep and run_start is None:
+                run_start = p
+            elif not keep and run_start is not None:
+                out.append((run_start, p - run_start))
+                run_start = None
+    return out
+
+
+def _oracle(lm: LayerRunner, target: Sequence[int], plan: ReusePlan, cache: KVCache,
+            strategy: Strategy, capacity: int | None) -> PrefillResult:
+    """``oracle``: the copied positions ranked against the cold KV over every layer."""
+    n = len(target)
+    cold, _ = lm.full_prefill(target, capacity, all_logits=False)
+    layers = range(lm.num_layers)
+    score = deviation(cold, [cache.keys[i][0, :, :n] for i in layers],
+                      [cache.values[i][0, :, :n] for i in layers], 0, n)
+    del cold
+    copied = runs(plan)
+    candidates = copied_positions(copied)
+    take = budget(RecomputeStrategy(fraction=strategy.ratio), n, len(candidates))
+    chosen = set(rank(score, 0, candidates, take))
+    done = recompute(lm, cache, range(n), without(copied, chosen), dict(enumerate(target)),
+                     RecomputeStrategy(), n)
+    assert done.hidden is not None
+    return PrefillResult(cache, lm.logits(done.hidden[:, -1:])[-1], n, done.passes)

@@ -64,7 +64,8 @@ DISCOVERY_FIELDS = ("proposed", "discovered_correct", "false_positive")
 
 
 def strategy_from_name(name: str) -> Strategy:
-    """The strategy ``Strategy.name`` gives this name: none, full, first<k>, blend<percent>."""
+    """The strategy ``Strategy.name`` gives this name: none, full, first<k>, blend<percent>,
+    oracle<percent>."""
     if name in (StrategyKind.NONE.value, StrategyKind.FULL.value):
         return Strategy(StrategyKind(name))
     number = name.lstrip("abcdefghijklmnopqrstuvwxyz")
@@ -72,7 +73,10 @@ def strategy_from_name(name: str) -> Strategy:
         return Strategy.first(int(number))
     if number.isdigit() and name == f"blend{number}":
         return Strategy.blend(int(number) / 100)
-    raise ValueError(f"unknown strategy {name!r} (none, full, first<k>, blend<percent>)")
+    if number.isdigit() and name == f"oracle{number}":
+        return Strategy.oracle(int(number) / 100)
+    raise ValueError(f"unknown strategy {name!r} (none, full, first<k>, blend<percent>, "
+                     "oracle<percent>)")
 
 
 @dataclass(frozen=True)
