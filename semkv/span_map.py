@@ -30,6 +30,7 @@ from itertools import repeat
 from operator import eq as eq_
 from operator import gt, is_not
 
+from semkv.anchor_cache import ANCHOR_CACHE
 from semkv.types import QualityTier
 
 DEFAULT_ANCHOR_TOKENS = 8
@@ -77,6 +78,12 @@ def kgrams(tokens: Sequence[int], start: int, end: int, k: int) -> list[tuple[in
 
 
 def _anchor_index(donor: Sequence[int], k: int) -> dict[tuple[int, ...], int]:
+    """First donor position of every k-gram (cached by the donor's exact tokens: a donor's
+    index is built once, not once per request; see ``semkv.anchor_cache``)."""
+    return ANCHOR_CACHE.get(donor, k, build_anchor_index)
+
+
+def build_anchor_index(donor: Sequence[int], k: int) -> dict[tuple[int, ...], int]:
     """First donor position of every k-gram (first occurrence wins: stable, left-most)."""
     grams = kgrams(donor, 0, len(donor), k)
     # Built from the end: a later (smaller) position overwrites, so each gram keeps its first.

@@ -1,0 +1,44 @@
+"""The anchor cache: never serves a stale index, stays within its byte bound."""
+
+from __future__ import annotations
+
+from array import array
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from semkv.anchor_cache import AnchorCache
+from semkv.span_map import build_anchor_index
+
+tokens = st.lists(st.integers(0, 5), min_size=0, max_size=60)
+
+
+@given(tokens, tokens, st.integers(1, 4))
+def test_cached_index_equals_a_fresh_build(a: list[int], b: list[int], k: int) -> None:
+    cache = AnchorCache()
+    for donor in (a, b, a, array("q", b)):
+        assert cache.get(donor, k, build_anchor_index) == build_anchor_index(donor, k)
+
+
+def test_changed_tokens_miss_the_cache() -> None:
+    cache = AnchorCache()
+    donor = [1, 2, 3, 4, 5, 6]
+    first = cache.get(donor, 2, build_anchor_index)
+    donor[0] = 9  # the same object, other tokens: the old index must not come back
+    second = cache.get(donor, 2, build_anchor_index)
+    assert (9, 2) in second and (1, 2) not in second
+    assert (1, 2) in first
+    assert cache.misses == 2 and cache.hits == 0
+    cache.get([1, 2, 3, 4, 5, 6], 2, build_anchor_index)
+    assert cache.hits == 1
+
+
+def test_lru_eviction_keeps_the_byte_bound() -> None:
+    cache = AnchorCache(max_bytes=5_000)
+    donors = [list(range(i, i + 10)) for i in range(20)]
+    for d in donors:
+        assert cache.get(d, 2, build_anchor_index) == build_anchor_index(d, 2)
+        assert cache.nbytes <= cache.max_bytes
+    assert 0 < len(cache) < len(donors)
+    cache.get(donors[0], 2, build_anchor_index)  # evicted long ago: rebuilt
+    assert cache.misses == len(donors) + 1
