@@ -31,6 +31,7 @@ from semkv.research.quality import (  # noqa: E402
     score_generation,
     token_f1,
 )
+from tests.bundled_lm import bundled_layerwise_model  # noqa: E402
 
 LOGIT_ATOL = 1e-3  # logits are O(10); fp32 noise of a different but equivalent op order
 KV_ATOL = 1e-4
@@ -38,14 +39,8 @@ KV_ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def lm() -> Iterator[LayerwiseModel]:
-    from semkv.bundled_model import ensure_model
-
-    # Sequences here are tens of tokens: one thread is as fast, and a second one only waits
-    # for a core when other jobs share the machine (10x slower on the 2-core dev box).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LayerwiseModel.from_pretrained(ensure_model())
-    torch.set_num_threads(threads)
+    with bundled_layerwise_model() as model:
+        yield model
 
 
 def _tokens(seed: int, n: int) -> list[int]:

@@ -23,6 +23,7 @@ from semkv.realize.recompute import copied_positions, deviation  # noqa: E402
 from semkv.research import DonorStore, LayerwiseModel, Strategy, assemble, plan_reuse  # noqa: E402
 from semkv.research.recompute import prefill, runs, without  # noqa: E402
 from semkv.research.study import strategy_from_name  # noqa: E402
+from tests.bundled_lm import bundled_layerwise_model  # noqa: E402
 
 LOGIT_ATOL = 1e-3
 KINDS = ("multi_passage_rag", "reordered_chunks", "quoted_section", "cross_instruction",
@@ -31,12 +32,8 @@ KINDS = ("multi_passage_rag", "reordered_chunks", "quoted_section", "cross_instr
 
 @pytest.fixture(scope="module")
 def lm() -> Iterator[LayerwiseModel]:
-    from semkv.bundled_model import ensure_model
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LayerwiseModel.from_pretrained(ensure_model())
-    torch.set_num_threads(threads)
+    with bundled_layerwise_model() as model:
+        yield model
 
 
 def _cluster(lm: LayerwiseModel, kind: str) -> tuple[list[int], DonorStore]:
