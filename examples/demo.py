@@ -30,6 +30,12 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("SEMKV_LOG_LEVEL", "WARNING")
 
 
+# why a realized span was refused, by the reason the connector reports (semkv.types)
+REFUSALS = {"uncertified_class": "the gate policy does not certify this plan class",
+            "low_predicted_gain": "the cost gate predicted too small a TTFT gain over cold",
+            "allocation_failed": "its working set is over realize_memory_bytes"}
+
+
 def workload(n_docs: int) -> list[tuple[str, str, str]]:
     """(cluster type, donor, target), built at run time from the bundled essays."""
     from semkv.assets import essays_dir
@@ -138,9 +144,10 @@ def main() -> None:
                       f"ROUGE-L vs cold {rouge:.2f}")
     for r in rows:
         if r.get("span_refused"):
+            reason = r["span_refused"]["reason"]
+            why = REFUSALS.get(reason, "refused")
             console.print(f"refused: {r['cluster']} plan class {r['span_refused']['class']}: "
-                          f"{r['span_refused']['reason']} (the gate policy does not certify it; "
-                          f"vLLM's own prefill served it)")
+                          f"{reason} ({why}; vLLM's own prefill served it)")
     hits = [r for r in rows if r["provenance"] in ("exact_external_kv_hit",
                                                    "request_only_semantic_reuse")]
     overall = statistics.median(r["cold_ttft_s"] / r["warm_ttft_s"] for r in rows)
