@@ -11,7 +11,8 @@ target: noisier than the engine frontier's mean over 32 teacher-forced answer po
 Arms: ``none``, ``first16``, ``blend<r>``, ``first16+blend<r>``, ``oracle<r>`` (copied tokens
 ranked by their true deviation from the cold KV over every layer: what the best selection of
 single tokens reaches at that share), and the fp8 floor (the cold KV of every prompt token but
-the last rounded through ``float8_e4m3fn``, the last token computed over it).
+the last rounded through fp8 with ``semkv.realize.fp8.round_fp8``, the engine's ``kv_floor``
+rounding, the last token computed over it).
 
     nice -n 5 .venv/bin/python benchmarks/recompute_curves.py --clusters 4 --target-tokens 1024
 
@@ -53,13 +54,14 @@ def kl(cold: torch.Tensor, other: torch.Tensor) -> float:
 
 def fp8_floor(lm: Any, target: list[int]) -> torch.Tensor:
     """The last token's logits over the cold KV of the others rounded through fp8."""
+    from semkv.realize.fp8 import round_fp8
     from semkv.realize.recompute import RecomputeStrategy, recompute
 
     n = len(target)
     cache, _ = lm.full_prefill(target, all_logits=False)
-    for part in (cache.keys, cache.values):
+    for part in (cache.keys, cache.values):  # one scale per layer and K / V, as the engine's
         for i, t in enumerate(part):
-            part[i] = t.to(torch.float8_e4m3fn).to(t.dtype)
+            part[i] = round_fp8(t)
     done = recompute(lm, cache, range(n), [(0, n - 1)], dict(enumerate(target)),
                      RecomputeStrategy(), n)
     assert done.hidden is not None

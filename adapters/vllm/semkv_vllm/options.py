@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from semkv.realize.recompute import RecomputeStrategy
     from semkv_vllm.page_layout import PageLayout
 
-FP8_E4M3_MAX = 448.0
 BAD = "request_options"  # lookup_errors kind: options that do not parse (normal prefill)
 IGNORED = "request_options_ignored"  # lookup_errors kind: options sent, not allowed
 
@@ -79,17 +78,11 @@ def cap_match(match: SemanticKVMatch, until: int | None, block_size: int,
                                     "donor_prefix_tokens": match.local_prefix_tokens + external})
 
 
-def round_fp8(t: torch.Tensor) -> torch.Tensor:
-    """``t`` through fp8 e4m3 with one scale (amax / 448), back in ``t``'s dtype."""
-    import torch
-
-    scale = t.abs().amax().float().clamp_min(1e-12) / FP8_E4M3_MAX
-    return ((t.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(t.dtype)
-
-
 def round_blocks_fp8(kv: torch.Tensor, block_ids: Sequence[int], layout: PageLayout) -> None:
     """Round the K and the V of ``block_ids`` in one layer's ``kv`` through fp8, in place."""
     import torch
+
+    from semkv.realize.fp8 import round_fp8
 
     if not block_ids:
         return
