@@ -77,20 +77,26 @@ class SemkvConfig(BaseSettings):
     # Selective recompute inside a realized span (semkv.realize.recompute). first_k (k 16): on
     # the measured frontier (docs/frontier.md) the cheapest strategy at the fp8-KV floor's mean
     # KL for cross-instruction and paraphrased lead-in reuse, 4.6x TTFT at 1K tokens.
-    recompute_strategy: Literal["none", "first_k", "blend", "first_k_blend"] = Field(
+    recompute_strategy: Literal["none", "first_k", "blend", "first_k_blend", "query",
+                                "first_k_query"] = Field(
         default="first_k", description=(
             "Realized spans: which copied tokens are recomputed through the model. first_k: "
             "the first recompute_first_k of every copied segment; blend: the copied tokens "
-            "whose K/V deviate most on the first recompute_probe_layers layers; "
-            "first_k_blend: blend's selection always holding first_k's tokens."))
+            "whose K/V deviate most on the first recompute_probe_layers layers; query: the "
+            "copied tokens the prompt's tail (its last recompute_query_tokens) attends to "
+            "most over the assembled KV, recomputed from layer 0; first_k_blend, "
+            "first_k_query: that selection always holding first_k's tokens."))
     recompute_fraction: float = Field(default=0.15, ge=0.0, le=1.0, description=(
-        "blend: copied tokens recomputed, as a fraction of the prompt's tokens (capped at the "
+        "blend, query: copied tokens recomputed, as a fraction of the prompt's tokens (capped at the "
         "copied tokens; gaps and the tail are computed anyway and not charged)."))
     recompute_first_k: int = Field(default=16, ge=1, description=(
         "first_k: tokens recomputed at the start of every copied segment."))
     recompute_probe_layers: int = Field(default=2, ge=1, description=(
         "blend: first layers computed for every span token to rank the copied ones (below the "
         "model's layer count, checked at worker start-up)."))
+    recompute_query_tokens: int = Field(default=64, ge=1, description=(
+        "query: the prompt's last tokens whose attention over the assembled KV ranks the "
+        "copied ones (the whole tail after the last copied token is run)."))
     request_options: bool = Field(default=False, description=(
         "Read a request's kv_transfer_params['semkv_options'] (semkv.request_options: lookup, "
         "save, recompute strategy, kv_floor); off: such options are ignored and counted."))

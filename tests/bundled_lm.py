@@ -25,3 +25,31 @@ def bundled_layerwise_model() -> Iterator[Any]:
         yield LayerwiseModel.from_pretrained(ensure_model())
     finally:
         torch.set_num_threads(threads)
+
+
+def eval_cluster(lm: Any, kind: str, seed: int = 7,
+                 target_tokens: int = 256) -> tuple[list[int], Any]:
+    """One ``semkv.eval`` cluster of ``kind`` tokenized by the bundled model's tokenizer: the
+    target's token ids and a research ``DonorStore`` holding its donors (32-token chunks).
+    Skips when the offline corpora are not installed."""
+    import pytest
+    from transformers import AutoTokenizer
+
+    from semkv import assets
+    from semkv.bundled_model import ensure_model
+    from semkv.eval import build_workload
+    from semkv.research import DonorStore
+
+    try:
+        assets.essays_dir()
+        assets.wiki_file()
+    except assets.MissingAssetError as exc:  # pragma: no cover - depends on the install
+        pytest.skip(f"offline corpora not installed: {exc}")
+    tok = AutoTokenizer.from_pretrained(str(ensure_model()))
+    wl = build_workload(seed, clusters_per_type=1, target_tokens=target_tokens,
+                        tokenizer=tok.encode, kinds=[kind])
+    store = DonorStore(lm, chunk_tokens=32)
+    for donor in wl.donors:
+        store.add(donor.prompt_id, list(donor.token_ids or tok.encode(donor.text)))
+    target = wl.targets[0]
+    return list(target.token_ids or tok.encode(target.text)), store

@@ -47,6 +47,7 @@ INVALID: dict[str, st.SearchStrategy[Any]] = {
                                     st.just(float("nan")), st.just("most")),
     "recompute_first_k": st.one_of(st.integers(-10**6, 0), _NOT_INT),
     "recompute_probe_layers": st.one_of(st.integers(-10**6, 0), _NOT_INT),
+    "recompute_query_tokens": st.one_of(st.integers(-10**6, 0), _NOT_INT),
     "lookup_timeout_ms": st.one_of(st.floats(-1e6, 0.0), st.floats(60_000.001, 1e9),
                                    st.just("fast")),
     "max_donors": st.one_of(st.integers(-10**6, 0), _NOT_INT),

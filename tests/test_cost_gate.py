@@ -234,6 +234,44 @@ def test_a_plan_is_priced_as_the_op_it_becomes_is_measured(kw: dict[str, Any]) -
         assert early.computed == priced.computed and early.attention <= priced.attention
 
 
+@pytest.mark.parametrize("kind", ["query", "first_k_query"])
+def test_query_is_priced_at_the_most_it_may_compute(kind: str) -> None:
+    """Its selection is known only after the probe: whatever it picks, the op computes no more
+    than the plan was priced at (the probe, the tail after the span, every later gap)."""
+    _vllm()
+    from semkv_vllm.cost_gate import op_work, plan_work
+    from semkv_vllm.metadata import CopySource
+    from semkv_vllm.span_admission import SpanHold
+
+    from semkv.realize.recompute import RecomputeStrategy
+    from semkv.span_plan import SpanPlan, SpanSegment
+
+    segments = (SpanSegment(target_start=64, length=200),
+                SpanSegment(target_start=264, length=300, donor_id="d", donor_start=40),
+                SpanSegment(target_start=564, length=76))
+    plan = SpanPlan(block_size=BS, local_tokens=64, span_tokens=640, segments=segments)
+    strategy = RecomputeStrategy(kind, fraction=0.15, first_k=16)
+    hold = SpanHold(plan, recompute=strategy, chunk_tokens=256)
+    blocks = (40 + 300 - 1) // BS - 40 // BS + 1
+    hold.copies = [CopySource(264, 300, 40, 1, list(range(blocks)), [1] * blocks)]
+    op = hold.op("r", list(range(700)), list(range(40)))
+    assert op.token_positions[-1] == 699  # the tail after the span travels for the probe
+    priced = plan_work(plan, strategy, 700, layers=30, chunk_tokens=256)
+    take = round(0.15 * 700)
+    first = list(range(264, 280)) if kind == "first_k_query" else []
+    free = 264 + len(first)  # the first copied position the halo does not hold
+    for start in (free, 300, 564 - take + len(first)):
+        top = sorted(set(first) | set(range(start, start + take - len(first))))
+        assert len(top) == take
+        measured = op_work(op, top, layers=30, block_size=BS)
+        assert measured.computed <= priced.computed
+    earliest = op_work(op, sorted(set(first) | set(range(free, free + take - len(first)))),
+                       layers=30, block_size=BS)
+    assert earliest.computed == priced.computed
+    # the probe is priced: more than blend's gaps alone (the span's 276 gaps and the tail)
+    assert priced.computed > 276 + 60 + take
+
+
 def _side(requests: dict[str, tuple[int, int]], spans: bool = True) -> Any:
     from semkv_vllm.cost_gate import EngineCost
 

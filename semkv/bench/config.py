@@ -100,6 +100,10 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "realized:first_k16+blend15": {"strategy": "first_k_blend", "first_k": 16,
                                    "fraction": 0.15},
     "realized:blend50": {"strategy": "blend", "fraction": 0.50},
+    "realized:query15": {"strategy": "query", "fraction": 0.15},
+    "realized:query30": {"strategy": "query", "fraction": 0.30},
+    "realized:first_k16+query15": {"strategy": "first_k_query", "first_k": 16,
+                                   "fraction": 0.15},
 }
 FRONTIER_ARMS = (COLD, FLOOR, *STRATEGIES)
 

@@ -60,9 +60,13 @@ class Budget:
 
 
 def working_set(g: Geometry, *, span_tokens: int, local_tokens: int, read_rows: int,
-                computed: int, probe_layers: int, chunk_tokens: int | None) -> int:
-    """Bytes one realization of this shape holds at its peak (module docstring)."""
+                computed: int, probe_layers: int, chunk_tokens: int | None,
+                cache_tokens: int | None = None) -> int:
+    """Bytes one realization of this shape holds at its peak (module docstring).
+    ``cache_tokens``: the dense cache's capacity when it holds more than the span (the query
+    probe runs the prompt's tail there: ``semkv.realize.recompute.cache_tokens``)."""
     positions = span_tokens - local_tokens
+    span_tokens = max(span_tokens, cache_tokens or 0)
     cache = span_tokens * g.layers * g.kv_row_bytes
     probe = min(probe_layers, g.layers) * positions * g.kv_row_bytes
     read = 3 * max(read_rows, positions) * g.kv_row_bytes

@@ -24,7 +24,13 @@ Protocol: ``recompute(runner, cache, positions, copied, token_ids, strategy, pro
   - ``first_k_blend``: ``blend`` whose selection always holds the first ``first_k`` positions
     of every copied run (the tokens right after a gap or a change of donor: a halo), the
     ``budget`` then filled from the rest by deviation.
-- ``fraction`` (blend) is a fraction of the PROMPT's tokens, the whole sequence being
+  - ``query`` / ``first_k_query`` (ProphetKV-like, ``semkv.realize.query``): the prompt's
+    tail after the last copied token (the question) runs over the assembled KV; the copied
+    positions its last ``query_tokens`` queries attend to most (summed over layers and heads)
+    are recomputed from layer 0 (``first_k_query``: holding the first ``first_k`` of every
+    run, as ``first_k_blend``). The tail's token ids are needed too: ``needed_positions``
+    and the cache's capacity (``cache_tokens``) take the prompt's length.
+- ``fraction`` (blend, query) is a fraction of the PROMPT's tokens, the whole sequence being
   prefilled (local prefix, span and tail), as in the calibration of issue #17:
   ``budget = min(copied tokens, round(fraction * prompt_tokens))``. Positions computed anyway
   (gaps, research's non-reused positions, the tail, the last prompt token) are not charged to
@@ -57,6 +63,7 @@ from semkv.realize.runner import LayerRunner
 DEFAULT_PROBE_LAYERS = 2  # layer 0 cannot tell (its KV is context-free); layer 1 first can
 DEFAULT_FIRST_K = 16
 DEFAULT_FRACTION = 0.15
+DEFAULT_QUERY_TOKENS = 64  # query: the tail's last tokens whose attention ranks the copies
 Passes = list[tuple[range, list[int]]]  # (layers, positions computed in them)
 Runs = Sequence[tuple[int, int]]  # copied runs: (target_start, length)
 
@@ -66,14 +73,28 @@ class RecomputeKind(str, Enum):
     FIRST_K = "first_k"
     BLEND = "blend"
     FIRST_K_BLEND = "first_k_blend"
+    QUERY = "query"
+    FIRST_K_QUERY = "first_k_query"
 
     @property
     def probes(self) -> bool:
+        """Layer probe: the first ``probe_layers`` layers computed for every position."""
         return self in (RecomputeKind.BLEND, RecomputeKind.FIRST_K_BLEND)
 
     @property
+    def queries(self) -> bool:
+        """Query probe: the prompt's tail run over the assembled KV (``semkv.realize.query``)."""
+        return self in (RecomputeKind.QUERY, RecomputeKind.FIRST_K_QUERY)
+
+    @property
+    def selects(self) -> bool:
+        """Ranks copied tokens and recomputes a ``fraction`` of the prompt's worth of them."""
+        return self.probes or self.queries
+
+    @property
     def forces_first_k(self) -> bool:
-        return self in (RecomputeKind.FIRST_K, RecomputeKind.FIRST_K_BLEND)
+        return self in (RecomputeKind.FIRST_K, RecomputeKind.FIRST_K_BLEND,
+                        RecomputeKind.FIRST_K_QUERY)
 
 
 @dataclass(frozen=True)
@@ -84,6 +105,7 @@ class RecomputeStrategy:
     fraction: float = DEFAULT_FRACTION  # blend: of the prompt's tokens (module docstring)
     first_k: int = DEFAULT_FIRST_K
     probe_layers: int = DEFAULT_PROBE_LAYERS
+    query_tokens: int = DEFAULT_QUERY_TOKENS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", RecomputeKind(self.kind))
@@ -93,6 +115,8 @@ class RecomputeStrategy:
             raise ValueError("first_k needs k >= 1")
         if self.probe_layers < 1:
             raise ValueError("probe_layers must be >= 1")
+        if self.query_tokens < 1:
+            raise ValueError("query_tokens must be >= 1")
 
 
 @dataclass
@@ -111,9 +135,29 @@ def first_k_positions(runs: Runs, k: int) -> list[int]:
     return [start + i for start, length in runs for i in range(min(k, length))]
 
 
-def needed_positions(positions: range, runs: Runs, strategy: RecomputeStrategy) -> list[int]:
-    """The positions ``recompute`` may compute: the token ids the caller must supply."""
+def tail_positions(runs: Runs, prompt_tokens: int) -> range:
+    """The prompt's positions after its last copied token (the question, in RAG): the query
+    probe runs them over the assembled KV (``semkv.realize.query``)."""
+    last = max((start + length for start, length in runs if length), default=0)
+    return range(last, prompt_tokens)
+
+
+def cache_tokens(positions: range, runs: Runs, strategy: RecomputeStrategy,
+                 prompt_tokens: int) -> int:
+    """The realization cache's capacity: the realized range, and with the query probe the
+    prompt's tail after it (written there only: the engine writes back ``positions``)."""
+    if strategy.kind.queries and len(positions):
+        return max(positions.stop, prompt_tokens)
+    return positions.stop
+
+
+def needed_positions(positions: range, runs: Runs, strategy: RecomputeStrategy,
+                     prompt_tokens: int = 0) -> list[int]:
+    """The positions ``recompute`` may compute: the token ids the caller must supply (with
+    the query probe, the prompt's tail after ``positions`` too: ``prompt_tokens`` long)."""
     copied = set(copied_positions(runs))
+    if strategy.kind.queries and len(positions):
+        return list(positions) + list(range(positions.stop, max(positions.stop, prompt_tokens)))
     if strategy.kind.probes:
         return list(positions)
     extra = set(first_k_positions(runs, strategy.first_k)) if (
@@ -122,8 +166,8 @@ def needed_positions(positions: range, runs: Runs, strategy: RecomputeStrategy) 
 
 
 def budget(strategy: RecomputeStrategy, prompt_tokens: int, copied: int) -> int:
-    """Blend: how many copied tokens continue past the probe layers (first_k_blend: at least
-    its forced halo positions, which count against it)."""
+    """Blend and query: how many copied tokens are recomputed (first_k_blend, first_k_query:
+    at least their forced halo positions, which count against it)."""
     return min(copied, round(strategy.fraction * prompt_tokens))
 
 
@@ -185,6 +229,11 @@ def recompute_steps(runner: LayerRunner, cache: KVCache, positions: range, copie
     if not copied_set <= set(positions):
         raise ValueError("a copied run lies outside the realized positions")
     gaps = [p for p in positions if p not in copied_set]
+    if strategy.kind.queries and len(positions):
+        from semkv.realize.query import query_select
+
+        return (yield from query_select(runner, cache, positions, copied, token_ids, strategy,
+                                        prompt_tokens, reduce, max_tokens))
     if strategy.kind.probes and len(positions):
         return (yield from _blend(runner, cache, positions, copied, sorted(copied_set), gaps,
                                   token_ids, strategy, prompt_tokens, reduce, max_tokens))
@@ -202,17 +251,20 @@ def recompute_steps(runner: LayerRunner, cache: KVCache, positions: range, copie
 
 def layer_calls(runner: LayerRunner, cache: KVCache, hidden: torch.Tensor, at: torch.Tensor,
                 layers: range, max_tokens: int | None = None,
+                attention: torch.Tensor | None = None,
                 ) -> Generator[int, None, torch.Tensor]:
     """``run_layers`` over ``layers``, one layer and at most ``max_tokens`` of the increasing
-    positions ``at`` per call (one call per step); returns the last layer's hidden states."""
+    positions ``at`` per call (one call per step); returns the last layer's hidden states.
+    ``attention``: ``run_layers``' accumulator of the queries' attention (``runner.py``)."""
     n = int(at.numel())
     step = n if max_tokens is None else max(1, min(max_tokens, n))
+    extra = {} if attention is None else {"attention": attention}
     for layer in layers:
         out = []
         for lo in range(0, n, step):
             with torch.no_grad():
                 out.append(runner.run_layers(cache, hidden[:, lo:lo + step], at[lo:lo + step],
-                                             range(layer, layer + 1)))
+                                             range(layer, layer + 1), **extra))
             yield min(step, n - lo)
         hidden = out[0] if len(out) == 1 else torch.cat(out, dim=1)
         del out

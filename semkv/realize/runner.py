@@ -12,7 +12,10 @@ Protocol (hidden states are ``[1, tokens, hidden_size]``, the residual stream; p
   the tokens at ``positions`` only. Each layer first writes those tokens' fresh K/V into
   ``cache``, then lets them attend causally (key position <= query position) over every cached
   position up to the last query; positions not computed keep what the cache holds (reused,
-  re-rotated donor KV). Returns the new hidden states of those tokens;
+  re-rotated donor KV). Returns the new hidden states of those tokens. With ``attention``
+  (a float32 tensor of ``cache.capacity``), each layer also adds to it, per key position, the
+  softmax weights its queries give that key, summed over heads and queries (the query-aware
+  selection's score, ``semkv.realize.query``);
 - ``logits(hidden)``: next-token logits ``[T, vocab]`` (fp32) from last-layer hidden states;
 - ``forward(cache, token_ids, positions)``: embed, all layers, logits;
 - ``full_prefill(token_ids, capacity=None, *, all_logits=True)``: every position computed, the
@@ -65,7 +68,8 @@ class LayerRunner(Protocol):
     def embed(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor: ...
 
     def run_layers(self, cache: KVCache, hidden: torch.Tensor, positions: torch.Tensor,
-                   layers: range | None = None) -> torch.Tensor: ...
+                   layers: range | None = None, *,
+                   attention: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 

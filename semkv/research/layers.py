@@ -92,11 +92,14 @@ class LayerwiseModel:
         hidden: torch.Tensor,
         positions: torch.Tensor,
         layers: range | None = None,
+        *,
+        attention: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run ``layers`` (all by default) for the tokens at ``positions``; returns their hidden.
 
         ``hidden`` is ``[1, len(positions), hidden_size]``: embeddings before layer 0, or the
-        output of the previous layer. ``positions`` must increase strictly.
+        output of the previous layer. ``positions`` must increase strictly. ``attention``
+        accumulates the queries' softmax weights per key (``semkv.realize.runner``).
         """
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
@@ -114,12 +117,13 @@ class LayerwiseModel:
             cos, sin = self.model.model.rotary_emb(hidden, positions[None, :])
             for index in layers:
                 hidden = self._layer(index, cache, hidden, positions, context, mask, cos, sin,
-                                     apply_rotary_pos_emb, repeat_kv)
+                                     apply_rotary_pos_emb, repeat_kv, attention)
         return hidden
 
     def _layer(self, index: int, cache: KVCache, hidden: torch.Tensor, positions: torch.Tensor,
                context: int, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               apply_rope: Any, repeat_kv: Any) -> torch.Tensor:
+               apply_rope: Any, repeat_kv: Any,
+               attention: torch.Tensor | None = None) -> torch.Tensor:
         layer = self.model.model.layers[index]
         attn = layer.self_attn
         tokens = hidden.shape[1]
@@ -135,7 +139,10 @@ class LayerwiseModel:
         keys = repeat_kv(cache.keys[index][:, :, :context], attn.num_key_value_groups)
         values = repeat_kv(cache.values[index][:, :, :context], attn.num_key_value_groups)
         scores = torch.matmul(q, keys.transpose(2, 3)) * attn.scaling + mask
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        if attention is not None:
+            attention[:context] += weights.sum(dim=(0, 1, 2))
+        weights = weights.to(q.dtype)
         out = torch.matmul(weights, values).transpose(1, 2).reshape(1, tokens, -1)
         hidden = hidden + attn.o_proj(out)
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))

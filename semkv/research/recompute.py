@@ -17,6 +17,9 @@ strategy adds:
   the missing context, hence two probe layers by default.
 - ``first_k_blend``: ``blend`` whose selection always holds the first k tokens of every reused
   segment (a halo after each gap or change of donor), the rest of the budget by deviation.
+- ``query`` / ``first_k_query``: the prompt's tail after its last reused token (the question)
+  runs over the assembled cache; the reused tokens its last ``query_tokens`` queries attend
+  to most are recomputed from layer 0 (ProphetKV-like; ``semkv.realize.query``).
 - ``full``: a full prefill, no reuse: the reference.
 - ``oracle`` (measurement only, research only): the reused tokens ranked by their TRUE
   deviation from the cold KV (a full prefill's), summed over every layer, the top ``ratio``
@@ -45,6 +48,7 @@ import torch
 from semkv.realize import KVCache, LayerRunner
 from semkv.realize.recompute import (
     DEFAULT_PROBE_LAYERS,
+    DEFAULT_QUERY_TOKENS,
     RecomputeKind,
     RecomputeStrategy,
     budget,
@@ -66,6 +70,8 @@ class StrategyKind(str, Enum):
     FIRST_K = "first_k"
     BLEND = "blend"
     FIRST_K_BLEND = "first_k_blend"
+    QUERY = "query"
+    FIRST_K_QUERY = "first_k_query"
     FULL = "full"
     ORACLE = "oracle"
 
@@ -76,6 +82,7 @@ class Strategy:
     first_k: int = 0
     ratio: float = 0.0  # blend: recomputed tokens as a fraction of all prompt tokens
     probe_layers: int = DEFAULT_PROBE_LAYERS
+    query_tokens: int = DEFAULT_QUERY_TOKENS
 
     @classmethod
     def none(cls) -> Strategy:
@@ -101,6 +108,20 @@ class Strategy:
         return cls(StrategyKind.FIRST_K_BLEND, first_k=k, ratio=ratio, probe_layers=probe_layers)
 
     @classmethod
+    def query(cls, ratio: float, query_tokens: int = DEFAULT_QUERY_TOKENS) -> Strategy:
+        if not 0.0 <= ratio <= 1.0 or query_tokens < 1:
+            raise ValueError("query needs 0 <= ratio <= 1 and query_tokens >= 1")
+        return cls(StrategyKind.QUERY, ratio=ratio, query_tokens=query_tokens)
+
+    @classmethod
+    def first_k_query(cls, k: int, ratio: float,
+                      query_tokens: int = DEFAULT_QUERY_TOKENS) -> Strategy:
+        if k < 1 or not 0.0 <= ratio <= 1.0 or query_tokens < 1:
+            raise ValueError("first_k_query needs k >= 1, 0 <= ratio <= 1, query_tokens >= 1")
+        return cls(StrategyKind.FIRST_K_QUERY, first_k=k, ratio=ratio,
+                   query_tokens=query_tokens)
+
+    @classmethod
     def full(cls) -> Strategy:
         return cls(StrategyKind.FULL)
 
@@ -118,6 +139,10 @@ class Strategy:
             return f"blend{round(self.ratio * 100)}"
         if self.kind is StrategyKind.FIRST_K_BLEND:
             return f"first{self.first_k}+blend{round(self.ratio * 100)}"
+        if self.kind is StrategyKind.QUERY:
+            return f"query{round(self.ratio * 100)}"
+        if self.kind is StrategyKind.FIRST_K_QUERY:
+            return f"first{self.first_k}+query{round(self.ratio * 100)}"
         if self.kind is StrategyKind.ORACLE:
             return f"oracle{round(self.ratio * 100)}"
         return str(self.kind.value)
@@ -133,7 +158,13 @@ class PrefillResult:
     @property
     def recomputed_tokens(self) -> int:
         """Prompt tokens computed in the last layer: those not served by a donor in the end."""
-        return len(self.passes[-1][1]) if self.passes else 0
+        last = self._layers - 1
+        done = {p for layers, pos in self.passes if last in layers for p in pos}
+        return sum(1 for p in done if p < self.num_tokens)
+
+    @property
+    def _layers(self) -> int:
+        return max((layers.stop for layers, _ in self.passes), default=0)
 
     @property
     def reused_tokens(self) -> int:
@@ -143,7 +174,7 @@ class PrefillResult:
     def recompute_fraction(self) -> float:
         """Token-layers computed over those of a full prefill (probe layers included)."""
         done = sum(len(layers) * len(pos) for layers, pos in self.passes)
-        total = self.num_tokens * sum(len(layers) for layers, _ in self.passes)
+        total = self.num_tokens * self._layers
         return done / total if total else 0.0
 
 
@@ -153,7 +184,8 @@ def shared(strategy: Strategy) -> RecomputeStrategy:
         raise ValueError(f"{strategy.kind.value} is research's own, not a shared strategy")
     return RecomputeStrategy(RecomputeKind(strategy.kind.value), fraction=strategy.ratio,
                              first_k=max(1, strategy.first_k),
-                             probe_layers=strategy.probe_layers)
+                             probe_layers=strategy.probe_layers,
+                             query_tokens=strategy.query_tokens)
 
 
 def runs(plan: ReusePlan) -> list[tuple[int, int]]:

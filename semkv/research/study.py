@@ -75,7 +75,18 @@ def strategy_from_name(name: str) -> Strategy:
         return Strategy.blend(int(number) / 100)
     if number.isdigit() and name == f"oracle{number}":
         return Strategy.oracle(int(number) / 100)
+    if number.isdigit() and name == f"query{number}":
+        return Strategy.query(int(number) / 100)
+    halo, _, rest = name.partition("+")
+    k = halo.removeprefix("first")
+    if rest and k.isdigit() and halo == f"first{k}" and int(k) >= 1:
+        inner = strategy_from_name(rest)
+        if inner.kind is StrategyKind.BLEND:
+            return Strategy.first_k_blend(int(k), inner.ratio)
+        if inner.kind is StrategyKind.QUERY:
+            return Strategy.first_k_query(int(k), inner.ratio)
     raise ValueError(f"unknown strategy {name!r} (none, full, first<k>, blend<percent>, "
+                     "query<percent>, first<k>+blend<percent>, first<k>+query<percent>, "
                      "oracle<percent>)")
 
 

@@ -27,7 +27,9 @@ served one carries that figure as ``predicted_gain``. The rates are the engine's
 A plan is priced the way the worker will run it (``plan_work``): the same rows read and
 written, the gaps and the copied tokens its strategy selects; blend's selection is not known
 before the probe layers ran, so its recomputed tokens are taken at the span's end (the most
-attention: an upper bound on what ranking may pick).
+attention: an upper bound on what ranking may pick). Query-aware selection is priced with its
+probe (the tail after the span included) and with every gap after the first copied token
+recomputed in its second stage (the most it may recompute).
 
 NOTE: None (the plan is not priced, and served) only before the first worker report, or when
 the realization's calibration failed (logged) and no realization has been timed yet.
@@ -53,6 +55,7 @@ from semkv.realize.recompute import (
     copied_positions,
     first_k_positions,
     needed_positions,
+    tail_positions,
 )
 from semkv.span_plan import SpanPlan
 from semkv_vllm.metadata import RealizeOp, SemkvWorkerMetadata
@@ -64,8 +67,12 @@ Runs = list[tuple[int, int]]
 
 
 def _passes(layers: int, positions: range, runs: Runs, recompute: RecomputeStrategy,
-            top: Sequence[int]) -> list[tuple[int, list[int]]]:
-    """(layers, positions) computed: the strategy's choice, as ``recompute_steps`` runs it."""
+            top: Sequence[int], prompt_tokens: int,
+            first: int | None = None) -> list[tuple[int, list[int]]]:
+    """(layers, positions) computed: the strategy's choice, as ``recompute_steps`` runs it.
+    ``first`` (query): where its stage 2 starts (default: the first of ``top``)."""
+    if recompute.kind.queries and len(positions) and runs:
+        return _query_passes(layers, positions, runs, top, prompt_tokens, first)
     if not recompute.kind.probes or not len(positions):
         return [(layers, needed_positions(positions, runs, recompute))]
     probe = min(recompute.probe_layers, layers)
@@ -77,6 +84,21 @@ def _passes(layers: int, positions: range, runs: Runs, recompute: RecomputeStrat
     return passes
 
 
+def _query_passes(layers: int, positions: range, runs: Runs, top: Sequence[int],
+                  prompt_tokens: int, first: int | None) -> list[tuple[int, list[int]]]:
+    """``semkv.realize.query``'s two stages: the probe (the non-copied positions before the
+    tail, then the tail, the part after the span included) and the recompute from layer 0."""
+    copied = set(copied_positions(runs))
+    tail = tail_positions(runs, prompt_tokens)
+    before = [p for p in positions if p not in copied and p < tail.start]
+    passes = [(layers, before), (layers, list(tail))]
+    if top:
+        start = min(top) if first is None else first
+        passes.append((layers, sorted(set(top) | {p for p in positions
+                                                  if p not in copied and p > start})))
+    return [(n, at) for n, at in passes if at]
+
+
 def plan_work(plan: SpanPlan, recompute: RecomputeStrategy, prompt_tokens: int, *,
               layers: int, chunk_tokens: int | None) -> RealizeWork:
     """What realizing ``plan`` will move and compute (module docstring)."""
@@ -85,16 +107,20 @@ def plan_work(plan: SpanPlan, recompute: RecomputeStrategy, prompt_tokens: int, 
     blocks = sum((s.donor_start + s.length - 1) // bs - s.donor_start // bs + 1 for s in copies)
     runs = [(s.target_start, s.length) for s in copies]
     top: list[int] = []
-    if recompute.kind.probes:
+    first = None
+    if recompute.kind.selects:
         copied = copied_positions(runs)
         forced = (sorted(set(first_k_positions(runs, recompute.first_k)))
                   if recompute.kind.forces_first_k else [])
         take = max(0, budget(recompute, prompt_tokens, len(copied)) - len(forced))
         held = set(forced)
         top = forced + [p for p in copied if p not in held][len(copied) - len(held) - take:]
+        # query recomputes every gap after its first selected position: at most all of them
+        first = copied[0] if copied and top else None
     moved = local + blocks * bs + (plan.span_tokens - local)
     return realize_work(layers, moved, _passes(layers, range(local, plan.span_tokens), runs,
-                                               recompute, top), chunk_tokens)
+                                               recompute, top, prompt_tokens, first),
+                        chunk_tokens)
 
 
 def op_work(op: RealizeOp, recomputed: Sequence[int], *, layers: int,
@@ -105,7 +131,8 @@ def op_work(op: RealizeOp, recomputed: Sequence[int], *, layers: int,
     moved = (op.local_tokens + block_size * sum(len(c.slots) for c in op.copies)
              + (op.span_tokens - op.local_tokens))
     return realize_work(layers, moved, _passes(layers, range(op.local_tokens, op.span_tokens),
-                                               runs, op.recompute, recomputed),
+                                               runs, op.recompute, recomputed,
+                                               op.prompt_tokens),
                         op.max_chunk_tokens)
 
 

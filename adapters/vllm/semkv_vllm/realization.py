@@ -59,7 +59,7 @@ from semkv.cost import RealizeWork
 from semkv.log import get_logger
 from semkv.realize import KVCache
 from semkv.realize.memory import Budget, Geometry, over_budget, working_set
-from semkv.realize.recompute import layer_calls, recompute_steps
+from semkv.realize.recompute import cache_tokens, layer_calls, recompute_steps
 from semkv.realize.span import place_layer
 from semkv_vllm.metadata import RealizeOp
 from semkv_vllm.page_layout import PageLayout
@@ -69,6 +69,9 @@ log = get_logger("semkv.vllm.realization")
 # Fault injection (tests and chaos runs, with SEMKV_ALLOW_FAULT_INJECTION=1): fail every
 # realization after this many layers have been computed.
 FAULT_AFTER_LAYERS = "SEMKV_FAULT_REALIZE_AFTER_LAYERS"
+# ... or after this many layer calls of the recompute strategy (inside blend's or query's probe
+# for a small number): the dense cache then holds probe state that must never be written.
+FAULT_AFTER_CALLS = "SEMKV_FAULT_REALIZE_AFTER_CALLS"
 # What a realization may compute in one busy engine step, in token-layers (deterministic, so
 # tensor-parallel ranks advance alike): 1/15 of a 1,024-token prefill chunk of 30 layers. A
 # layer also costs a fixed overhead (module calls, attention over the whole realized context),
@@ -94,7 +97,14 @@ def op_working_set(geometry: Geometry, op: RealizeOp, block_size: int) -> int:
         read_rows=op.local_tokens + block_size * sum(len(c.slots) for c in op.copies),
         computed=len(op.token_positions),
         probe_layers=op.recompute.probe_layers if op.recompute.kind.probes else 0,
-        chunk_tokens=op.max_chunk_tokens)
+        chunk_tokens=op.max_chunk_tokens, cache_tokens=op_cache_tokens(op))
+
+
+def op_cache_tokens(op: RealizeOp) -> int:
+    """The op's dense cache capacity (``semkv.realize.recompute.cache_tokens``)."""
+    return cache_tokens(range(op.local_tokens, op.span_tokens),
+                        [(c.target_start, c.length) for c in op.copies], op.recompute,
+                        op.prompt_tokens)
 
 
 @dataclass(frozen=True)
@@ -263,7 +273,7 @@ class SpanRealizer:
             Budget(runner.geometry, self.memory_bytes, op.max_chunk_tokens), needed)
         if why is not None:  # before anything is allocated; the scheduler refuses these first
             raise RealizationOverBudget(why)
-        cache: KVCache = runner.empty_cache(op.span_tokens)
+        cache: KVCache = runner.empty_cache(op_cache_tokens(op))
         bs = self.layout.block_size
         # One gather per layer for every copy (and one for the local prefix).
         slots = torch.as_tensor([s for c in op.copies for s in c.slots], dtype=torch.long)
@@ -287,14 +297,16 @@ class SpanRealizer:
                 place_layer(cache, layer, rotator, at, k, v, moved)
                 del k, v
             yield 0  # reads and re-rotation: charged the per-call overhead only
-        fault_after = _fault_after_layers()
+        fault_after = _fault_after(FAULT_AFTER_LAYERS)
         if fault_after is not None:
             self._fail_midway(cache, op, fault_after)
         # Gaps always, plus what the strategy selects, one layer call (chunk) per step.
-        done = yield from recompute_steps(
+        steps = recompute_steps(
             runner, cache, range(op.local_tokens, op.span_tokens),
             [(c.target_start, c.length) for c in op.copies], op.token_map(), op.recompute,
             op.prompt_tokens, reduce=self.reduce, max_tokens=op.max_chunk_tokens)
+        calls = _fault_after(FAULT_AFTER_CALLS)
+        done = yield from (steps if calls is None else _failing_after(steps, calls))
         return cache, done.recomputed
 
     def _read(self, name: str, slots: torch.Tensor, picked: torch.Tensor,
@@ -369,10 +381,21 @@ def _tensor_parallel_sum() -> Any:
         return None
 
 
-def _fault_after_layers() -> int | None:
+def _failing_after(steps: Generator[int, None, Any], calls: int) -> Generator[int, None, Any]:
+    """Fault injection: ``steps`` for ``calls`` layer calls, then a failure."""
+    for _ in range(calls):
+        try:
+            yield next(steps)
+        except StopIteration as end:
+            return end.value
+    steps.close()
+    raise InjectedRealizationFault(f"injected after {calls} recompute calls")
+
+
+def _fault_after(name: str) -> int | None:
     from semkv.plugins import fault_injection_allowed
 
-    value = os.environ.get(FAULT_AFTER_LAYERS)  # read per realization: a test may toggle it
+    value = os.environ.get(name)  # read per realization: a test may toggle it
     if value is None or not fault_injection_allowed():
         return None
     return int(value)

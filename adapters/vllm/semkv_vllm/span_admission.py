@@ -43,7 +43,12 @@ from semkv.leases import LeaseTable, UnknownDonorError
 from semkv.metrics import CounterBag
 from semkv.plan_class import PlanClass, plan_class
 from semkv.realize.memory import Budget, Geometry, working_set
-from semkv.realize.recompute import RecomputeKind, RecomputeStrategy, needed_positions
+from semkv.realize.recompute import (
+    RecomputeKind,
+    RecomputeStrategy,
+    cache_tokens,
+    needed_positions,
+)
 from semkv.span_plan import SpanPlan, plan_span
 from semkv.types import (
     CachePolicy,
@@ -79,7 +84,7 @@ class SpanHold:
         local, span = self.plan.local_tokens, self.plan.span_tokens
         gaps = self.plan.gap_positions()
         runs = [(s.target_start, s.length) for s in self.plan.segments if not s.is_gap]
-        needed = needed_positions(range(local, span), runs, self.recompute)
+        needed = needed_positions(range(local, span), runs, self.recompute, len(token_ids))
         return RealizeOp(request_id, local, span, list(block_ids[: local // bs]),
                          list(block_ids[local // bs: span // bs]), list(self.copies), gaps,
                          needed, [int(token_ids[p]) for p in needed], self.recompute,
@@ -92,7 +97,8 @@ def strategy_of(config: SemkvConfig) -> RecomputeStrategy:
     return RecomputeStrategy(RecomputeKind(config.recompute_strategy),
                              fraction=config.recompute_fraction,
                              first_k=config.recompute_first_k,
-                             probe_layers=config.recompute_probe_layers)
+                             probe_layers=config.recompute_probe_layers,
+                             query_tokens=config.recompute_query_tokens)
 
 
 def realize_budget(config: SemkvConfig, vllm_config: Any) -> Budget:
@@ -111,18 +117,21 @@ def realize_budget(config: SemkvConfig, vllm_config: Any) -> Budget:
                   int(vllm_config.scheduler_config.max_num_batched_tokens))
 
 
-def plan_working_set(budget: Budget, plan: SpanPlan, recompute: RecomputeStrategy) -> int:
+def plan_working_set(budget: Budget, plan: SpanPlan, recompute: RecomputeStrategy,
+                     prompt_tokens: int) -> int:
     """The working set of the ``RealizeOp`` this plan becomes (``realization.op_working_set``
     of it, computed before anything is held)."""
     bs, local = plan.block_size, plan.local_tokens
     copies = [s for s in plan.segments if not s.is_gap]
     blocks = sum((s.donor_start + s.length - 1) // bs - s.donor_start // bs + 1 for s in copies)
-    computed = len(needed_positions(range(local, plan.span_tokens),
-                                    [(s.target_start, s.length) for s in copies], recompute))
+    runs = [(s.target_start, s.length) for s in copies]
+    positions = range(local, plan.span_tokens)
+    computed = len(needed_positions(positions, runs, recompute, prompt_tokens))
     return working_set(budget.geometry, span_tokens=plan.span_tokens, local_tokens=local,
                        read_rows=local + blocks * bs, computed=computed,
                        probe_layers=recompute.probe_layers if recompute.kind.probes else 0,
-                       chunk_tokens=budget.chunk_tokens)
+                       chunk_tokens=budget.chunk_tokens,
+                       cache_tokens=cache_tokens(positions, runs, recompute, prompt_tokens))
 
 
 class CostGate(Protocol):
@@ -199,7 +208,8 @@ class SpanAdmission:
             self._refused("cost", cls)
             return FallbackReason.LOW_PREDICTED_GAIN
         if self.budget is not None and (
-                plan_working_set(self.budget, plan, recompute) > self.budget.memory_bytes):
+                plan_working_set(self.budget, plan, recompute, len(target))
+                > self.budget.memory_bytes):
             self._refused("memory", cls)
             return FallbackReason.ALLOCATION_FAILED  # before any lease or pin
         hold = SpanHold(plan, recompute=recompute,

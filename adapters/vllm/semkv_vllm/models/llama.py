@@ -155,11 +155,14 @@ class LlamaLayerRunner:
         hidden: torch.Tensor,
         positions: torch.Tensor,
         layers: range | None = None,
+        *,
+        attention: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run ``layers`` (all by default) for the tokens at ``positions``; returns their hidden.
 
         ``hidden`` is ``[1, len(positions), hidden_size]``: embeddings before layer 0, or the
-        output of the previous layer. ``positions`` must increase strictly.
+        output of the previous layer. ``positions`` must increase strictly. ``attention``
+        accumulates the queries' softmax weights per key (``semkv.realize.runner``).
         """
         layers = range(self.num_layers) if layers is None else layers
         positions = positions.to(device=self.device, dtype=torch.long)
@@ -176,11 +179,12 @@ class LlamaLayerRunner:
         h = hidden[0]
         with torch.no_grad():
             for index in layers:
-                h = self._layer(index, cache, h, positions, context, mask, prefix)
+                h = self._layer(index, cache, h, positions, context, mask, prefix, attention)
         return h[None]
 
     def _layer(self, index: int, cache: KVCache, h: torch.Tensor, positions: torch.Tensor,
-               context: int, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+               context: int, mask: torch.Tensor | None, causal: bool,
+               attention: torch.Tensor | None = None) -> torch.Tensor:
         layer = self._layers[index]
         attn = layer.self_attn
         tokens = h.shape[0]
@@ -197,6 +201,9 @@ class LlamaLayerRunner:
         # Fresh KV first, so computed tokens attend to each other's fresh values.
         cache.keys[index][:, :, positions] = k.to(cache.keys[index].dtype)
         cache.values[index][:, :, positions] = v.to(cache.values[index].dtype)
+        if attention is not None:
+            attention[:context] += self._weights(q, cache.keys[index][:, :, :context], positions,
+                                                 attn.scaling).to(attention.device)
         out = F.scaled_dot_product_attention(
             q, cache.keys[index][:, :, :context], cache.values[index][:, :, :context],
             attn_mask=mask, is_causal=causal, scale=attn.scaling, enable_gqa=True)
@@ -204,6 +211,18 @@ class LlamaLayerRunner:
         o, _ = attn.o_proj(out)
         h = h + o
         return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _weights(self, q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        """Per key, the softmax weights the queries give it, summed over heads and queries
+        (fp32; the attention SDPA computes without returning it). Only the query probe asks,
+        for a few queries (``semkv.realize.query``)."""
+        groups = self.num_heads // self.kv_heads
+        k = keys[0].to(torch.float32).repeat_interleave(groups, dim=0)  # [heads, ctx, D]
+        scores = torch.matmul(q[0].to(torch.float32), k.transpose(1, 2)) * scale
+        blocked = torch.arange(k.shape[1], device=q.device)[None, :] > positions[:, None]
+        scores = scores.masked_fill(blocked[None], float("-inf"))
+        return torch.softmax(scores, dim=-1).sum(dim=(0, 1))
 
     # -- whole passes -----------------------------------------------------------------------
 

@@ -1,0 +1,110 @@
+"""Query-aware selection: the copied tokens the prompt's question reads, recomputed from layer 0.
+
+The ``query`` and ``first_k_query`` strategies of ``semkv.realize.recompute`` (ProphetKV-like,
+training-free, the engine's own weights). Both runners call it through ``recompute_steps``:
+research realizes the whole prompt, the engine's worker one external span with the prompt's
+tail after it supplied too (``needed_positions``, ``cache_tokens``).
+
+Two stages over the assembled cache (copied runs placed, keys re-rotated):
+
+1. Probe. The positions of ``positions`` that no run copies and that lie before the prompt's
+   tail (``tail_positions``: everything after the last copied token, the question in RAG)
+   are computed through every layer; then the tail is, over the assembled KV. The attention
+   its last ``query_tokens`` queries give each cached position (softmax weights summed over
+   heads, queries and layers; over tensor-parallel ranks with ``reduce``) scores the copied
+   positions: what the answer reads, rather than what deviates most (CacheBlend's proxy,
+   which spends the budget on salient tokens the question never reads: ProphetKV's
+   "crowding-out").
+2. Recompute. The top ``budget`` copied positions (``first_k_query``: always holding the
+   first ``first_k`` of every run, the halo after a seam, which count against it; ties: the
+   earlier position) are computed from layer 0 through every layer, together with every
+   non-copied position of ``positions`` after the first of them (their stage-1 KV read the
+   reused KV of a position now recomputed). Non-copied positions before the first selected
+   one keep their stage-1 KV: they attend only to earlier positions, which did not change,
+   so it is exactly what stage 2 would compute.
+
+With fraction 1.0 every copied position and everything after the first copy is recomputed
+over exact KV: the cold prefill (``tests/test_realize_query.py``).
+
+NOTE: the probe writes the tail's KV into ``cache`` at the tail's positions. The engine's
+worker writes back only ``positions`` (its span), so the probe leaves nothing in the request's
+blocks: vLLM computes the tail itself after the span. A realization that fails midway writes
+nothing at all (the request is recomputed cold).
+NOTE: a plan that copies nothing has no tail to probe with and nothing to select: the
+non-copied positions are computed through every layer, as ``none`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Mapping
+
+import torch
+
+from semkv.realize.cache import KVCache
+from semkv.realize.recompute import (
+    Passes,
+    Recomputed,
+    RecomputeStrategy,
+    Runs,
+    budget,
+    copied_positions,
+    first_k_positions,
+    layer_calls,
+    rank,
+    tail_positions,
+)
+from semkv.realize.runner import LayerRunner
+
+
+def _run(runner: LayerRunner, cache: KVCache, token_ids: Mapping[int, int], at: list[int],
+         layers: range, max_tokens: int | None, attention: torch.Tensor | None = None,
+         ) -> Generator[int, None, torch.Tensor | None]:
+    if not at:
+        return None
+    index = torch.tensor(at, dtype=torch.long)
+    hidden = yield from layer_calls(runner, cache, runner.embed([token_ids[p] for p in at]),
+                                    index, layers, max_tokens, attention)
+    return hidden
+
+
+def query_select(runner: LayerRunner, cache: KVCache, positions: range, runs: Runs,
+                 token_ids: Mapping[int, int], strategy: RecomputeStrategy, prompt_tokens: int,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None, max_tokens: int | None,
+                 ) -> Generator[int, None, Recomputed]:
+    """The two stages of the module docstring, one layer call per yield."""
+    layers = range(runner.num_layers)
+    copied = copied_positions(runs)
+    copied_set = set(copied)
+    if not copied:
+        gaps = list(positions)
+        hidden = yield from _run(runner, cache, token_ids, gaps, layers, max_tokens)
+        return Recomputed(hidden, [(layers, gaps)], [])
+    tail = tail_positions(runs, prompt_tokens)
+    before = [p for p in positions if p not in copied_set and p < tail.start]
+    passes: Passes = []
+    yield from _run(runner, cache, token_ids, before, layers, max_tokens)
+    if before:
+        passes.append((layers, before))
+    scored = min(strategy.query_tokens, len(tail))
+    lead, queries = list(tail[:len(tail) - scored]), list(tail[len(tail) - scored:])
+    attention = torch.zeros(cache.capacity, dtype=torch.float32, device=runner.device)
+    yield from _run(runner, cache, token_ids, lead, layers, max_tokens)
+    hidden = yield from _run(runner, cache, token_ids, queries, layers, max_tokens, attention)
+    if len(tail):
+        passes.append((layers, list(tail)))
+    if reduce is not None:
+        attention = reduce(attention)
+    score = attention.cpu()
+    forced = sorted(set(first_k_positions(runs, strategy.first_k))) if (
+        strategy.kind.forces_first_k) else []
+    held = set(forced)
+    free = [p for p in copied if p not in held]
+    take = max(0, budget(strategy, prompt_tokens, len(copied)) - len(forced))
+    top = sorted(held | set(rank(score, 0, free, take)))
+    if not top:
+        return Recomputed(hidden, passes, [])
+    first = top[0]
+    chosen = sorted(set(top) | {p for p in positions if p not in copied_set and p > first})
+    out = yield from _run(runner, cache, token_ids, chosen, layers, max_tokens)
+    passes.append((layers, chosen))
+    return Recomputed(out, passes, top)
