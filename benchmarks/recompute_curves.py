@@ -8,7 +8,8 @@ strategy's next-token distribution after the prompt is compared with the cold pr
 full-vocabulary KL(cold || strategy) in nats, at the last prompt position (one position per
 target: noisier than the engine frontier's mean over 32 teacher-forced answer positions).
 
-Arms: ``none``, ``first16``, ``blend<r>``, ``first16+blend<r>``, ``oracle<r>`` (copied tokens
+Arms: ``none``, ``first16``, ``blend<r>``, ``first16+blend<r>``, ``query<r>``,
+``first16+query<r>`` (query-aware: ``semkv.realize.query``), ``oracle<r>`` (copied tokens
 ranked by their true deviation from the cold KV over every layer: what the best selection of
 single tokens reaches at that share), and the fp8 floor (the cold KV of every prompt token but
 the last rounded through fp8 with ``semkv.realize.fp8.round_fp8``, the engine's ``kv_floor``
@@ -42,7 +43,8 @@ def arms() -> list[Any]:
 
     out = [Strategy.none(), Strategy.first(16)]
     for r in RATIOS:
-        out += [Strategy.blend(r), Strategy.first_k_blend(16, r), Strategy.oracle(r)]
+        out += [Strategy.blend(r), Strategy.first_k_blend(16, r), Strategy.query(r),
+                Strategy.first_k_query(16, r), Strategy.oracle(r)]
     return out
 
 
@@ -135,7 +137,8 @@ def plot(summary: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
 
     kinds = list(summary)
     fig, axes = plt.subplots(1, len(kinds), figsize=(4.2 * len(kinds), 3.6), squeeze=False)
-    families = {"blend": "blend", "first16+blend": "first16+blend", "oracle": "oracle"}
+    families = {"blend": "blend", "first16+blend": "first16+blend", "query": "query",
+                "first16+query": "first16+query", "oracle": "oracle"}
     for ax, kind in zip(axes[0], kinds, strict=True):
         arms_ = summary[kind]
         for label, prefix in families.items():

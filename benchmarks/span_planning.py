@@ -228,7 +228,7 @@ def breakdown(side: Scheduler, reqs: list[tuple[Any, list[Any]]], reps: int) -> 
     patches = [(span_map, "_anchor_index", "map: donor anchor index"),
                (span_map, "_walk", "map: walk"),
                (span_plan, "walk_donor", "map: anchor look-ups"),
-               (span_plan, "kgrams", "map: target k-grams"),
+               (span_plan, "gram_keys", "map: target k-grams"),
                (span_plan, "map_tokens", "map: walk"),  # before issue #25's walk
                (span_plan, "_map_donor", "map: continue past a short donor"),
                (span_plan, "_best_donor_per_chunk", "best donor per chunk"),

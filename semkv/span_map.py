@@ -77,27 +77,41 @@ def kgrams(tokens: Sequence[int], start: int, end: int, k: int) -> list[tuple[in
     return list(zip(*(tokens[start + j: start + j + m] for j in range(k)), strict=True))
 
 
-def _anchor_index(donor: Sequence[int], k: int) -> dict[tuple[int, ...], int]:
-    """First donor position of every k-gram (cached by the donor's exact tokens: a donor's
+def gram_keys(tokens: Sequence[int], start: int, end: int, k: int) -> list[int]:
+    """``kgrams`` as ints (each k-gram's hash): looked up 16 times per target, an int key is
+    hashed for free where a tuple is hashed again on every lookup (most of planning's time)."""
+    return list(map(hash, kgrams(tokens, start, end, k)))
+
+
+def _anchor_index(donor: Sequence[int], k: int) -> dict[int, int]:
+    """First donor position of every k-gram key (cached by the donor's exact tokens: a donor's
     index is built once, not once per request; see ``semkv.anchor_cache``)."""
     return ANCHOR_CACHE.get(donor, k, build_anchor_index)
 
 
-def build_anchor_index(donor: Sequence[int], k: int) -> dict[tuple[int, ...], int]:
-    """First donor position of every k-gram (first occurrence wins: stable, left-most)."""
-    grams = kgrams(donor, 0, len(donor), k)
+def build_anchor_index(donor: Sequence[int], k: int) -> dict[int, int]:
+    """First donor position of every k-gram key (first occurrence wins: stable, left-most).
+
+    NOTE: keyed by the k-gram's hash, so an anchor is checked token by token where the walk
+    uses it (``_walk``): a hash collision is never a false anchor. Two different k-grams of
+    one donor with the same 64-bit hash would lose the later one's anchor (odds ~1e-12 per
+    4K donor): a shorter copy at worst, never a wrong one."""
+    keys = gram_keys(donor, 0, len(donor), k)
     # Built from the end: a later (smaller) position overwrites, so each gram keeps its first.
-    return dict(zip(reversed(grams), range(len(grams) - 1, -1, -1), strict=True))
+    return dict(zip(reversed(keys), range(len(keys) - 1, -1, -1), strict=True))
 
 
 _FIRST_WINDOW, _LAST_WINDOW = 32, 1024  # positions compared per step along a run (doubling)
 
 
 def _walk(target: list[int], donor: Sequence[int], start: int, end: int,
-          hits: list[int | None], resume_with: int | None) -> tuple[list[int], list[bool]]:
+          hits: list[int | None], resume_with: int | None, k: int,
+          ) -> tuple[list[int], list[bool]]:
     """The map walk over ``[start, end)``; ``hits[p - start]``: the donor position of the anchor
     at target position p (None: none). Off the donor's end without an anchor the walk stops
     (``resume_with`` None, ``map_tokens``) or emits ``resume_with`` until the next anchor.
+    An anchor is taken only when its ``k`` tokens are the target's (a key collision is
+    dropped where it is met, and the walk goes on as if it had never been there).
 
     Along a diagonal (consecutive donor positions) it compares a window of positions at a time
     with C-level ``map``: only an anchor at a differing token can end the run there.
@@ -126,6 +140,9 @@ def _walk(target: list[int], donor: Sequence[int], start: int, end: int,
             if p == stop:
                 continue  # the end, or the donor's end: the next position decides
         jump = hits[p - start]  # a differing token, past the donor's end, or off the donor
+        if jump is not None and tuple(donor[jump:jump + k]) != tuple(target[p:p + k]):
+            hits[p - start], has[p - start] = None, False  # a key collision, not an anchor
+            continue
         if jump is not None:
             sources.append(jump)
             same.append(donor[jump] == target[p])
@@ -143,15 +160,31 @@ def _walk(target: list[int], donor: Sequence[int], start: int, end: int,
     return sources, same
 
 
+ANCHOR_STRIDE = 16  # shares_anchor: every 16th target k-gram is looked up
+
+
+def shares_anchor(donor: Sequence[int], k: int, grams: list[int]) -> bool:
+    """Does the donor hold one of the target's k-grams at a sampled position (every
+    ``ANCHOR_STRIDE``-th of ``grams``, the target's ``gram_keys``)?
+
+    A shared run of ``ANCHOR_STRIDE + k - 1`` tokens or more (23 by default) always holds one,
+    wherever it lies; a donor that shares none is not worth mapping for identical-token plans
+    (at most a few short runs), and most of 16 candidates share none: skipping their look-ups
+    and walks is most of planning's time (issue #25)."""
+    anchors = _anchor_index(donor, k)
+    return any(map(anchors.__contains__, grams[::ANCHOR_STRIDE]))
+
+
 def walk_donor(target: list[int], donor: Sequence[int], start: int, end: int, k: int,
-               grams: list[tuple[int, ...]], resume_with: int | None = None,
+               grams: list[int], resume_with: int | None = None,
                ) -> tuple[list[int], list[bool]]:
-    """``map_tokens`` with the target's k-grams from ``start`` given (``kgrams``: built once for
-    every donor of a target), and optionally resumed past the donor's end (``resume_with``)."""
+    """``map_tokens`` with the target's k-gram keys from ``start`` given (``gram_keys``: built
+    once for every donor of a target), optionally resumed past the donor's end
+    (``resume_with``)."""
     anchors = _anchor_index(donor, k)
     hits = list(map(anchors.get, grams[: end - start]))
     hits.extend([None] * (end - start - len(hits)))  # grams that would run past the target
-    return _walk(target, donor, start, end, hits, resume_with)
+    return _walk(target, donor, start, end, hits, resume_with, k)
 
 
 def map_tokens(
@@ -167,7 +200,7 @@ def map_tokens(
         return [], []
     k = max(1, anchor_tokens)
     ids = target if isinstance(target, list) else list(target)
-    return walk_donor(ids, donor, start, end, k, kgrams(ids, start, end, k))
+    return walk_donor(ids, donor, start, end, k, gram_keys(ids, start, end, k))
 
 
 def _segments(start: int, sources: Sequence[int]) -> tuple[tuple[int, int, int], ...]:

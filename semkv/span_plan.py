@@ -12,7 +12,9 @@ Protocol:
 1. ``decide_reuse(target, donors)`` is THE reuse decision, shared by the engine and by
    ``semkv.research.assembly.plan_reuse`` so that both reuse the same positions: the whole
    target is mapped against every donor with ``semkv.span_map.map_tokens`` (continued where
-   that walk runs off a short donor, so its passage is found even late in the target); per
+   that walk runs off a short donor, so its passage is found even late in the target) that
+   shares one of the target's k-grams at a sampled position (``shares_anchor``: every run of
+   23 or more shared tokens has one; research's mismatched reuse maps every donor); per
    target chunk of ``chunk_tokens`` the donor with the most identical tokens serves the chunk
    (ties: the first donor given); a position is reusable when its mapped donor token is
    identical (or mapped at all, with ``reuse_mismatched``, research only) and it is not the
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from semkv.span_map import DEFAULT_ANCHOR_TOKENS, kgrams, walk_donor
+from semkv.span_map import DEFAULT_ANCHOR_TOKENS, gram_keys, shares_anchor, walk_donor
 
 DEFAULT_CHUNK_TOKENS = 64  # the same default as semkv.research.donors.DEFAULT_CHUNK_TOKENS
 DEFAULT_MIN_RUN_TOKENS = 4
@@ -155,7 +157,7 @@ class ReuseDecision:
 
 
 def _map_donor(target: list[int], donor: Sequence[int], k: int,
-               grams: list[tuple[int, ...]]) -> tuple[list[int], list[bool]]:
+               grams: list[int]) -> tuple[list[int], list[bool]]:
     """``map_tokens`` over the whole target, continued past the point where it ran off the donor.
 
     ``map_tokens`` stops for good at the first position after its walk passed the donor's end
@@ -163,7 +165,7 @@ def _map_donor(target: list[int], donor: Sequence[int], k: int,
     (after other donors' passages) would then never be reached; so from there on each target
     position is looked up again (NO_SOURCE until an anchor matches, then the usual walk).
     Positions before that point are exactly ``map_tokens``'s. ``grams``: the target's k-grams
-    (``k = max(1, anchor_tokens)``), built once for all donors.
+    (``k = max(1, anchor_tokens)``) as ``gram_keys``, built once for all donors.
     """
     n = len(target)
     if not donor:
@@ -231,8 +233,11 @@ def decide_reuse(
     n = len(target)
     ids = target if isinstance(target, list) else list(target)  # e.g. vLLM's ConstantList
     k = max(1, anchor_tokens)
-    grams = kgrams(ids, 0, n, k)  # one target's k-grams, for every donor
-    maps = {d: _map_donor(ids, tokens, k, grams) for d, tokens in donors.items()}
+    grams = gram_keys(ids, 0, n, k)  # one target's k-gram keys, for every donor
+    # Identical-token plans map only the donors that share a sampled anchor (shares_anchor:
+    # every shared run of 23+ tokens has one); research's mismatched reuse maps every donor.
+    maps = {d: _map_donor(ids, tokens, k, grams) for d, tokens in donors.items()
+            if reuse_mismatched or (tokens and shares_anchor(tokens, k, grams))}
     donor_ids, positions, identical = _best_donor_per_chunk(n, maps, chunk_tokens)
     # The last prompt token is never reused: its logits start the generation.
     usable = [(identical[p] or (reuse_mismatched and donor_ids[p] is not None)) and p != n - 1

@@ -165,3 +165,17 @@ def test_a_row_scores_a_request_against_cold_without_an_engine() -> None:
     # one donor and the cold request, then per strategy a request and its teacher forcing,
     # and the same for the fp8 floor
     assert planned_requests(preset("frontier"), wl, ("cold", "fp8_floor", "realized:none")) == 6
+
+
+def test_the_plot_draws_every_strategy_arm(tmp_path) -> None:
+    """Every arm of ``STRATEGIES`` has a marker (a run with new arms once measured 30 minutes
+    and lost them to a KeyError in the plot; the raw JSON is now written before plotting)."""
+    pytest.importorskip("matplotlib")
+    from semkv.bench.config import FLOOR, STRATEGIES
+    from semkv.bench.frontier_report import plot
+
+    arms = {a: {"computed_fraction_mean": 0.05 * i, "kl_mean": 0.01 + 0.001 * i,
+                "rouge_l_median": 0.5, "served": 2} for i, a in enumerate(STRATEGIES)}
+    arms[FLOOR] = {"kl_mean": 0.002, "rouge_l_median": 0.9, "served": 2}
+    (path,) = plot({"summary": {"multi_passage_rag": arms}}, tmp_path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -26,8 +26,8 @@ def test_changed_tokens_miss_the_cache() -> None:
     first = cache.get(donor, 2, build_anchor_index)
     donor[0] = 9  # the same object, other tokens: the old index must not come back
     second = cache.get(donor, 2, build_anchor_index)
-    assert (9, 2) in second and (1, 2) not in second
-    assert (1, 2) in first
+    assert hash((9, 2)) in second and hash((1, 2)) not in second
+    assert hash((1, 2)) in first
     assert cache.misses == 2 and cache.hits == 0
     cache.get([1, 2, 3, 4, 5, 6], 2, build_anchor_index)
     assert cache.hits == 1

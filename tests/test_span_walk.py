@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from semkv.span_map import kgrams, map_span, map_tokens
+from semkv.span_map import _walk, gram_keys, map_span, map_tokens
 from semkv.span_plan import NO_SOURCE, _map_donor, decide_reuse, plan_span
 
 
@@ -113,8 +113,8 @@ def test_the_continued_map_is_the_per_position_walk(pair: tuple[list[int], list[
                                                     k: int) -> None:
     target, donor = pair
     want = reference_map_donor(target, donor, k)
-    assert _map_donor(target, donor, k, kgrams(target, 0, len(target), k)) == want
-    assert _map_donor(target, array("q", donor), k, kgrams(target, 0, len(target), k)) == want
+    assert _map_donor(target, donor, k, gram_keys(target, 0, len(target), k)) == want
+    assert _map_donor(target, array("q", donor), k, gram_keys(target, 0, len(target), k)) == want
 
 
 def test_long_runs_cross_every_window_and_jumps_land_inside_them() -> None:
@@ -127,7 +127,7 @@ def test_long_runs_cross_every_window_and_jumps_land_inside_them() -> None:
     for donor in (doc, doc[:2000], doc[2500:]):
         assert map_tokens(target, donor, 0, len(target)) == \
             reference_map_tokens(target, donor, 0, len(target))
-        assert _map_donor(target, donor, 8, kgrams(target, 0, len(target), 8)) == \
+        assert _map_donor(target, donor, 8, gram_keys(target, 0, len(target), 8)) == \
             reference_map_donor(target, donor, 8)
 
 
@@ -154,3 +154,61 @@ def test_a_read_only_sequence_target_plans_as_a_list() -> None:
         plan_span(target, donors, local_tokens=0, block_size=32)
     assert map_span(Constant(target), doc, 0, 32, max_tokens=800) == \
         map_span(target, doc, 0, 32, max_tokens=800)
+
+
+def test_a_key_collision_is_never_taken_as_an_anchor() -> None:
+    """Anchors are keyed by the k-gram's hash; a key that names another donor k-gram (a
+    collision) is checked where the walk would jump and dropped: the walk is the one without
+    it, on a diagonal and after the donor's end alike."""
+    rng = random.Random(11)
+    doc = [rng.randrange(50_000) for _ in range(600)]
+    target = doc[300:] + [3, 4, 5] + doc[:300]
+    donors = (doc, doc[:200])
+    for donor in donors:
+        k = 8
+        keys = gram_keys(target, 0, len(target), k)
+        index = {key: p for p, key in reversed(list(enumerate(gram_keys(donor, 0, len(donor),
+                                                                        k))))}
+        true_hits = [index.get(key) for key in keys] + [None] * (len(target) - len(keys))
+        for resume in (None, NO_SOURCE):
+            want = _walk(target, donor, 0, len(target), list(true_hits), resume, k)
+            forged = list(true_hits)
+            for p in range(0, len(forged), 7):  # positions whose tokens differ from the donor's
+                if forged[p] is None:
+                    forged[p] = 17  # a donor position whose k tokens are not the target's
+            assert any(h != t for h, t in zip(forged, true_hits, strict=True))
+            assert _walk(target, donor, 0, len(target), forged, resume, k) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32), st.integers(23, 120), st.integers(0, 300))
+def test_every_shared_run_of_23_tokens_is_found_by_the_sampled_anchors(
+        seed: int, length: int, offset: int) -> None:
+    from semkv.span_map import shares_anchor
+
+    rng = random.Random(seed)
+    doc = [rng.randrange(1000, 50_000) for _ in range(400)]
+    start = rng.randrange(0, len(doc) - length)
+    target = [rng.randrange(1000, 50_000) for _ in range(offset)] + doc[start:start + length] \
+        + [rng.randrange(1000, 50_000) for _ in range(50)]
+    assert shares_anchor(doc, 8, gram_keys(target, 0, len(target), 8))
+    stranger = [rng.randrange(50_000, 90_000) for _ in range(400)]
+    assert not shares_anchor(stranger, 8, gram_keys(target, 0, len(target), 8))
+
+
+def test_skipping_donors_without_a_sampled_anchor_keeps_every_long_run(monkeypatch) -> None:
+    """decide_reuse with the prefilter is decide_reuse mapping every donor, whenever the
+    skipped donors share no run of 23+ tokens (here: strangers and a 12-token coincidence)."""
+    import semkv.span_plan as span_plan
+
+    rng = random.Random(5)
+    doc = [rng.randrange(1000, 50_000) for _ in range(900)]
+    other = [rng.randrange(1000, 50_000) for _ in range(500)]
+    target = doc[600:] + doc[:400] + other[100:112] + [7, 8] + doc[400:600] + [9]
+    donors: dict[str, Sequence[int]] = {
+        "a": doc[:500], "b": array("q", doc[450:]), "c": other,
+        **{f"s{i}": [rng.randrange(50_000, 90_000) for _ in range(700)] for i in range(12)}}
+    filtered = decide_reuse(target, donors)
+    monkeypatch.setattr(span_plan, "shares_anchor", lambda *a: True)
+    assert decide_reuse(target, donors) == filtered
+    assert plan_span(target, donors, local_tokens=0, block_size=32) is not None

@@ -238,7 +238,8 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    markers = dict(zip(STRATEGIES, "osv^Dx", strict=False))
+    shapes_ = "osv^Dx<>pP*hH"
+    markers = {a: shapes_[i % len(shapes_)] for i, a in enumerate(STRATEGIES)}
     fig, (ax_kl, ax_rouge) = plt.subplots(1, 2, figsize=(11, 4.4))
     for i, arms in enumerate(result["summary"].values()):
         color = f"C{i}"

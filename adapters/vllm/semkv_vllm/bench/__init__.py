@@ -113,6 +113,7 @@ def _frontier(config: BenchConfig, wl: Any, out_dir: Path, *, show_progress: boo
         "rows": raw["rows"],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(result, indent=2))  # before any plot fails
     result["plots"] = [str(p) for p in report.plot(result, out_dir)] if plots else []
     (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
     (out_dir / "bench.md").write_text(report.markdown(result))
