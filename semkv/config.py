@@ -87,8 +87,9 @@ class SemkvConfig(BaseSettings):
             "most over the assembled KV, recomputed from layer 0; first_k_blend, "
             "first_k_query: that selection always holding first_k's tokens."))
     recompute_fraction: float = Field(default=0.15, ge=0.0, le=1.0, description=(
-        "blend, query: copied tokens recomputed, as a fraction of the prompt's tokens (capped at the "
-        "copied tokens; gaps and the tail are computed anyway and not charged)."))
+        "blend, query: copied tokens recomputed, as a fraction of the prompt's tokens "
+        "(capped at the copied tokens; gaps and the tail are computed anyway and not "
+        "charged)."))
     recompute_first_k: int = Field(default=16, ge=1, description=(
         "first_k: tokens recomputed at the start of every copied segment."))
     recompute_probe_layers: int = Field(default=2, ge=1, description=(
