@@ -320,17 +320,20 @@ def copied(plan: SpanPlan) -> list[int]:
                                             ("cross_instruction", 33),
                                             ("reordered_chunks", 34),
                                             ("paraphrased_lead_in", 35)])
-def test_blend_recomputing_every_copied_token_equals_cold(llm, recorder, kind, seed):
+@pytest.mark.parametrize("selection", [RecomputeKind.BLEND, RecomputeKind.FIRST_K_QUERY],
+                         ids=lambda k: k.value)
+def test_a_selection_recomputing_every_copied_token_equals_cold(llm, recorder, kind, seed,
+                                                                selection):
+    """blend and query-aware selection (issue #25: ``semkv.realize.query``) at 1.0."""
     donors, target = rag_cluster(llm, seed, kind)
-    out = serve(llm, recorder, donors, target,
-                RecomputeStrategy(RecomputeKind.BLEND, fraction=1.0))
+    out = serve(llm, recorder, donors, target, RecomputeStrategy(selection, fraction=1.0))
     s, plan = summary(out["warm"]), out["plan"]
     assert s["provenance"] == "request_only_semantic_reuse", s
     assert plan.copied_tokens >= 64 and plan.shifted_tokens > 0, plan.summary()
     assert list(out["realized"].recomputed) == copied(plan)
     assert out["delta"]["vllm:semkv_span_tokens:recomputed"] == plan.copied_tokens
     assert s["span"]["recomputed"] == plan.copied_tokens  # and the request's own summary
-    print(f"\n{kind}: blend 1.0 recomputed {plan.copied_tokens} copied tokens "
+    print(f"\n{kind}: {selection.value} 1.0 recomputed {plan.copied_tokens} copied tokens "
           f"({plan.summary()}), realized in {out['realized'].seconds:.2f} s")
     assert out["warm"].outputs[0].token_ids == out["cold"].outputs[0].token_ids
 
@@ -371,23 +374,6 @@ def test_engine_and_research_recompute_the_same_tokens(llm, recorder, research_l
 
 
 # -- query-aware selection (issue #25: semkv.realize.query) --------------------------------------
-
-@pytest.mark.parametrize(("kind", "seed"), [("multi_passage_rag", 31),
-                                            ("cross_instruction", 33),
-                                            ("reordered_chunks", 34),
-                                            ("paraphrased_lead_in", 35),
-                                            ("cross_instruction_task_first", 32)])
-def test_query_recomputing_every_copied_token_equals_cold(llm, recorder, kind, seed):
-    donors, target = rag_cluster(llm, seed, kind)
-    out = serve(llm, recorder, donors, target,
-                RecomputeStrategy(RecomputeKind.FIRST_K_QUERY, fraction=1.0))
-    s, plan = summary(out["warm"]), out["plan"]
-    assert s["provenance"] == "request_only_semantic_reuse", s
-    assert plan.copied_tokens >= 64, plan.summary()
-    assert list(out["realized"].recomputed) == copied(plan)
-    assert s["span"]["recomputed"] == plan.copied_tokens
-    assert out["warm"].outputs[0].token_ids == out["cold"].outputs[0].token_ids
-
 
 def test_engine_and_research_select_the_same_tokens_with_query(llm, recorder, research_lm):
     from semkv.research import DonorStore, Strategy, prefill

@@ -35,9 +35,9 @@ from semkv.realize.span import place  # noqa: E402
 from semkv.research import DonorStore, LayerwiseModel, Strategy, plan_reuse, prefill  # noqa: E402
 from semkv.research.recompute import plan_of_span  # noqa: E402
 from semkv.research.study import strategy_from_name  # noqa: E402
-from semkv.span_plan import SpanPlan, plan_span  # noqa: E402
+from semkv.span_plan import SpanPlan  # noqa: E402
 from tests.bundled_lm import bundled_layerwise_model, eval_cluster  # noqa: E402
-from tests.tiny_model import tiny_llama  # noqa: E402
+from tests.tiny_model import tiny_llama, two_donor_case  # noqa: E402
 
 BLOCK = 16
 LOGIT_ATOL = 1e-3
@@ -58,16 +58,7 @@ def _tokens(gen: torch.Generator, n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def case(lm: LayerwiseModel) -> tuple[list[int], SpanPlan, DonorStore]:
     """Two donors' passages in a new order behind another lead-in, a 40-token question."""
-    gen = torch.Generator().manual_seed(5)
-    a, b, c = _tokens(gen, 70), _tokens(gen, 60), _tokens(gen, 50)
-    lead = _tokens(gen, 40)
-    store = DonorStore(lm, chunk_tokens=32)
-    store.add("d1", _tokens(gen, 9) + a + _tokens(gen, 5) + c)
-    store.add("d2", lead[:32] + _tokens(gen, 13) + b)
-    target = lead + b + _tokens(gen, 7) + a + _tokens(gen, 4) + c + _tokens(gen, 40)
-    plan = plan_span(target, store.token_map(), local_tokens=2 * BLOCK, block_size=BLOCK,
-                     chunk_tokens=32)
-    assert plan is not None and plan.shifted_tokens > 100 and plan.computed_tokens > 0
+    target, plan, store = two_donor_case(lm, 40, BLOCK)
     assert plan.span_tokens < len(target) - 8  # the question lies after the span
     return target, plan, store
 

@@ -26,8 +26,8 @@ from semkv.realize.recompute import (  # noqa: E402
 from semkv.realize.span import place  # noqa: E402
 from semkv.research import DonorStore, LayerwiseModel, Strategy, prefill  # noqa: E402
 from semkv.research.recompute import plan_of_span  # noqa: E402
-from semkv.span_plan import SpanPlan, plan_span  # noqa: E402
-from tests.tiny_model import tiny_llama  # noqa: E402
+from semkv.span_plan import SpanPlan  # noqa: E402
+from tests.tiny_model import tiny_llama, two_donor_case  # noqa: E402
 
 BLOCK = 16
 
@@ -38,24 +38,10 @@ def lm() -> Iterator[LayerwiseModel]:
         yield model
 
 
-def _tokens(gen: torch.Generator, n: int) -> list[int]:
-    return torch.randint(10, 300, (n,), generator=gen).tolist()
-
-
 @pytest.fixture(scope="module")
 def case(lm: LayerwiseModel) -> tuple[list[int], SpanPlan, DonorStore]:
     """Two donors' passages in a new order behind another lead-in: shifted copies and gaps."""
-    gen = torch.Generator().manual_seed(5)
-    a, b, c = _tokens(gen, 70), _tokens(gen, 60), _tokens(gen, 50)
-    lead = _tokens(gen, 40)
-    store = DonorStore(lm, chunk_tokens=32)
-    store.add("d1", _tokens(gen, 9) + a + _tokens(gen, 5) + c)
-    store.add("d2", lead[:32] + _tokens(gen, 13) + b)
-    target = lead + b + _tokens(gen, 7) + a + _tokens(gen, 4) + c + _tokens(gen, 6)
-    plan = plan_span(target, store.token_map(), local_tokens=2 * BLOCK, block_size=BLOCK,
-                     chunk_tokens=32)
-    assert plan is not None and plan.shifted_tokens > 100 and plan.computed_tokens > 0
-    return target, plan, store
+    return two_donor_case(lm, 6, BLOCK)
 
 
 def _engine_style(lm: LayerwiseModel, target: list[int], plan: SpanPlan, store: DonorStore,

@@ -27,3 +27,30 @@ def tiny_llama(num_layers: int) -> Iterator[Any]:
         yield LayerwiseModel(LlamaForCausalLM(config).to(torch.float32))
     finally:
         torch.set_num_threads(threads)
+
+
+def two_donor_case(lm: Any, question_tokens: int = 6,
+                   block: int = 16) -> tuple[list[int], Any, Any]:
+    """Two donors' passages in a new order behind another lead-in, then a question of
+    ``question_tokens`` random tokens: (target, its ``SpanPlan``, a ``DonorStore``). Shifted
+    copies and gaps, the same tokens for a seed (the recompute tests' shared case)."""
+    import torch
+
+    from semkv.research import DonorStore
+    from semkv.span_plan import plan_span
+
+    gen = torch.Generator().manual_seed(5)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(10, 300, (n,), generator=gen).tolist()
+
+    a, b, c = tokens(70), tokens(60), tokens(50)
+    lead = tokens(40)
+    store = DonorStore(lm, chunk_tokens=32)
+    store.add("d1", tokens(9) + a + tokens(5) + c)
+    store.add("d2", lead[:32] + tokens(13) + b)
+    target = lead + b + tokens(7) + a + tokens(4) + c + tokens(question_tokens)
+    plan = plan_span(target, store.token_map(), local_tokens=2 * block, block_size=block,
+                     chunk_tokens=32)
+    assert plan is not None and plan.shifted_tokens > 100 and plan.computed_tokens > 0
+    return target, plan, store
