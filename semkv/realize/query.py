@@ -41,7 +41,8 @@ from collections.abc import Callable, Generator, Mapping
 import torch
 
 from semkv.realize.cache import KVCache
-from semkv.realize.recompute import (
+from semkv.realize.runner import LayerRunner
+from semkv.realize.selection import (
     Passes,
     Recomputed,
     RecomputeStrategy,
@@ -53,7 +54,6 @@ from semkv.realize.recompute import (
     rank,
     tail_positions,
 )
-from semkv.realize.runner import LayerRunner
 
 
 def _run(runner: LayerRunner, cache: KVCache, token_ids: Mapping[int, int], at: list[int],
