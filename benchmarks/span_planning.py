@@ -225,7 +225,8 @@ def breakdown(side: Scheduler, reqs: list[tuple[Any, list[Any]]], reps: int) -> 
                     stack[-1] += total
         return inner
 
-    patches = [(span_map, "_anchor_index", "map: donor anchor index"),
+    patches = [(span_map, "anchor_index", "map: donor anchor index"),
+               (span_plan, "anchor_index", "map: donor anchor index"),
                (span_map, "_walk", "map: walk"),
                (span_plan, "walk_donor", "map: anchor look-ups"),
                (span_plan, "gram_keys", "map: target k-grams"),

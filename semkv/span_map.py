@@ -24,7 +24,7 @@ NOTE: positions only, never token ids, leave this module; a SpanMap is safe to l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import eq as eq_
@@ -83,7 +83,7 @@ def gram_keys(tokens: Sequence[int], start: int, end: int, k: int) -> list[int]:
     return list(map(hash, kgrams(tokens, start, end, k)))
 
 
-def _anchor_index(donor: Sequence[int], k: int) -> dict[int, int]:
+def anchor_index(donor: Sequence[int], k: int) -> dict[int, int]:
     """First donor position of every k-gram key (cached by the donor's exact tokens: a donor's
     index is built once, not once per request; see ``semkv.anchor_cache``)."""
     return ANCHOR_CACHE.get(donor, k, build_anchor_index)
@@ -163,25 +163,25 @@ def _walk(target: list[int], donor: Sequence[int], start: int, end: int,
 ANCHOR_STRIDE = 16  # shares_anchor: every 16th target k-gram is looked up
 
 
-def shares_anchor(donor: Sequence[int], k: int, grams: list[int]) -> bool:
-    """Does the donor hold one of the target's k-grams at a sampled position (every
-    ``ANCHOR_STRIDE``-th of ``grams``, the target's ``gram_keys``)?
+def shares_anchor(anchors: Mapping[int, int], grams: list[int]) -> bool:
+    """Does a donor's ``anchor_index`` hold one of the target's k-grams at a sampled position
+    (every ``ANCHOR_STRIDE``-th of ``grams``, the target's ``gram_keys``)?
 
     A shared run of ``ANCHOR_STRIDE + k - 1`` tokens or more (23 by default) always holds one,
     wherever it lies; a donor that shares none is not worth mapping for identical-token plans
     (at most a few short runs), and most of 16 candidates share none: skipping their look-ups
     and walks is most of planning's time (issue #25)."""
-    anchors = _anchor_index(donor, k)
     return any(map(anchors.__contains__, grams[::ANCHOR_STRIDE]))
 
 
 def walk_donor(target: list[int], donor: Sequence[int], start: int, end: int, k: int,
                grams: list[int], resume_with: int | None = None,
-               ) -> tuple[list[int], list[bool]]:
+               anchors: Mapping[int, int] | None = None) -> tuple[list[int], list[bool]]:
     """``map_tokens`` with the target's k-gram keys from ``start`` given (``gram_keys``: built
     once for every donor of a target), optionally resumed past the donor's end
-    (``resume_with``)."""
-    anchors = _anchor_index(donor, k)
+    (``resume_with``), with the donor's ``anchor_index`` when the caller already holds it."""
+    if anchors is None:
+        anchors = anchor_index(donor, k)
     hits = list(map(anchors.get, grams[: end - start]))
     hits.extend([None] * (end - start - len(hits)))  # grams that would run past the target
     return _walk(target, donor, start, end, hits, resume_with, k)

@@ -40,7 +40,13 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from semkv.span_map import DEFAULT_ANCHOR_TOKENS, gram_keys, shares_anchor, walk_donor
+from semkv.span_map import (
+    DEFAULT_ANCHOR_TOKENS,
+    anchor_index,
+    gram_keys,
+    shares_anchor,
+    walk_donor,
+)
 
 DEFAULT_CHUNK_TOKENS = 64  # the same default as semkv.research.donors.DEFAULT_CHUNK_TOKENS
 DEFAULT_MIN_RUN_TOKENS = 4
@@ -156,8 +162,8 @@ class ReuseDecision:
     runs: tuple[SpanSegment, ...]  # the reused positions, as copied segments in target order
 
 
-def _map_donor(target: list[int], donor: Sequence[int], k: int,
-               grams: list[int]) -> tuple[list[int], list[bool]]:
+def _map_donor(target: list[int], donor: Sequence[int], k: int, grams: list[int],
+               anchors: Mapping[int, int] | None = None) -> tuple[list[int], list[bool]]:
     """``map_tokens`` over the whole target, continued past the point where it ran off the donor.
 
     ``map_tokens`` stops for good at the first position after its walk passed the donor's end
@@ -165,12 +171,13 @@ def _map_donor(target: list[int], donor: Sequence[int], k: int,
     (after other donors' passages) would then never be reached; so from there on each target
     position is looked up again (NO_SOURCE until an anchor matches, then the usual walk).
     Positions before that point are exactly ``map_tokens``'s. ``grams``: the target's k-grams
-    (``k = max(1, anchor_tokens)``) as ``gram_keys``, built once for all donors.
+    (``k = max(1, anchor_tokens)``) as ``gram_keys``, built once for all donors; ``anchors``:
+    the donor's ``anchor_index`` when the caller already looked it up.
     """
     n = len(target)
     if not donor:
         return [NO_SOURCE] * n, [False] * n
-    return walk_donor(target, donor, 0, n, k, grams, resume_with=NO_SOURCE)
+    return walk_donor(target, donor, 0, n, k, grams, resume_with=NO_SOURCE, anchors=anchors)
 
 
 def _best_donor_per_chunk(
@@ -236,8 +243,11 @@ def decide_reuse(
     grams = gram_keys(ids, 0, n, k)  # one target's k-gram keys, for every donor
     # Identical-token plans map only the donors that share a sampled anchor (shares_anchor:
     # every shared run of 23+ tokens has one); research's mismatched reuse maps every donor.
-    maps = {d: _map_donor(ids, tokens, k, grams) for d, tokens in donors.items()
-            if reuse_mismatched or (tokens and shares_anchor(tokens, k, grams))}
+    maps: dict[str, tuple[list[int], list[bool]]] = {}
+    for d, tokens in donors.items():
+        anchors = anchor_index(tokens, k) if tokens else {}  # one cache look-up per donor
+        if reuse_mismatched or shares_anchor(anchors, grams):
+            maps[d] = _map_donor(ids, tokens, k, grams, anchors)
     donor_ids, positions, identical = _best_donor_per_chunk(n, maps, chunk_tokens)
     # The last prompt token is never reused: its logits start the generation.
     usable = [(identical[p] or (reuse_mismatched and donor_ids[p] is not None)) and p != n - 1
