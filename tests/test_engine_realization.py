@@ -346,9 +346,23 @@ def research_lm() -> Any:
     return LayerwiseModel.from_pretrained(ensure_model())
 
 
-def test_engine_and_research_recompute_the_same_tokens(llm, recorder, research_lm):
-    from semkv.research import DonorStore, Strategy, prefill
+def research_selection(lm: Any, out: dict[str, Any], strategy: Any) -> list[int]:
+    """The copied positions ``semkv.research`` recomputes under ``strategy`` for the plan the
+    engine served in ``out`` (``serve``), its donors prefilled by research's runner."""
+    from semkv.research import DonorStore, prefill
     from semkv.research.recompute import plan_of_span
+
+    ids = list(out["warm"].prompt_token_ids)
+    store = DonorStore(lm)
+    for d, tokens in out["donors"].items():
+        store.add(d, tokens)
+    reuse = plan_of_span(out["plan"], len(ids))
+    result = prefill(lm, ids, reuse, store, strategy)
+    return [p for p in result.passes[-1][1] if reuse.reused[p]]
+
+
+def test_engine_and_research_recompute_the_same_tokens(llm, recorder, research_lm):
+    from semkv.research import Strategy
 
     donors, target = rag_cluster(llm, seed=5)
     timings = {}
@@ -357,12 +371,7 @@ def test_engine_and_research_recompute_the_same_tokens(llm, recorder, research_l
         out = serve(llm, recorder, donors, target, strategy)
         timings[name] = out["realized"].seconds
     plan, ids = out["plan"], list(out["warm"].prompt_token_ids)
-    store = DonorStore(research_lm)
-    for d, tokens in out["donors"].items():
-        store.add(d, tokens)
-    reuse = plan_of_span(plan, len(ids))
-    result = prefill(research_lm, ids, reuse, store, Strategy.blend(0.15))
-    theirs = [p for p in result.passes[-1][1] if reuse.reused[p]]
+    theirs = research_selection(research_lm, out, Strategy.blend(0.15))
     mine = list(out["realized"].recomputed)
     print(f"\nblend 0.15: engine recomputed {len(mine)} of {plan.copied_tokens} copied tokens "
           f"({len(ids)} prompt tokens), research {len(theirs)}, differing "
@@ -376,20 +385,14 @@ def test_engine_and_research_recompute_the_same_tokens(llm, recorder, research_l
 # -- query-aware selection (issue #25: semkv.realize.query) --------------------------------------
 
 def test_engine_and_research_select_the_same_tokens_with_query(llm, recorder, research_lm):
-    from semkv.research import DonorStore, Strategy, prefill
-    from semkv.research.recompute import plan_of_span
+    from semkv.research import Strategy
 
     donors, target = rag_cluster(llm, seed=5)
     out = serve(llm, recorder, donors, target,
                 RecomputeStrategy(RecomputeKind.QUERY, fraction=0.15))
     plan, ids = out["plan"], list(out["warm"].prompt_token_ids)
     assert plan.span_tokens < len(ids)  # the question is the tail: vLLM computes it after
-    store = DonorStore(research_lm)
-    for d, tokens in out["donors"].items():
-        store.add(d, tokens)
-    reuse = plan_of_span(plan, len(ids))
-    result = prefill(research_lm, ids, reuse, store, Strategy.query(0.15))
-    theirs = [p for p in result.passes[-1][1] if reuse.reused[p]]
+    theirs = research_selection(research_lm, out, Strategy.query(0.15))
     mine = list(out["realized"].recomputed)
     print(f"\nquery 0.15: engine recomputed {len(mine)} of {plan.copied_tokens} copied tokens "
           f"({len(ids)} prompt tokens), research {len(theirs)}, differing "

@@ -28,16 +28,19 @@ from semkv.realize.recompute import (  # noqa: E402
     budget,
     cache_tokens,
     needed_positions,
-    recompute,
     tail_positions,
 )
-from semkv.realize.span import place  # noqa: E402
 from semkv.research import DonorStore, LayerwiseModel, Strategy, plan_reuse, prefill  # noqa: E402
 from semkv.research.recompute import plan_of_span  # noqa: E402
 from semkv.research.study import strategy_from_name  # noqa: E402
 from semkv.span_plan import SpanPlan  # noqa: E402
 from tests.bundled_lm import bundled_layerwise_model, eval_cluster  # noqa: E402
-from tests.tiny_model import tiny_llama, two_donor_case  # noqa: E402
+from tests.tiny_model import (  # noqa: E402
+    engine_style_recomputed,
+    research_recomputed,
+    tiny_llama,
+    two_donor_case,
+)
 
 BLOCK = 16
 LOGIT_ATOL = 1e-3
@@ -63,51 +66,6 @@ def case(lm: LayerwiseModel) -> tuple[list[int], SpanPlan, DonorStore]:
     return target, plan, store
 
 
-def _engine_style(lm: LayerwiseModel, target: list[int], plan: SpanPlan, store: DonorStore,
-                  strategy: RecomputeStrategy, *, probe_writes: list[int] | None = None,
-                  ) -> list[int]:
-    """The worker's realization of ``plan``: the recomputed positions. ``probe_writes``
-    collects the positions the stage-1 calls wrote (before any copied token is recomputed)."""
-    n, local = len(target), plan.local_tokens
-    exact, _ = lm.full_prefill(target[:local], capacity=n, all_logits=False)
-    span = range(local, plan.span_tokens)
-    runs = [(s.target_start, s.length) for s in plan.segments if s.donor_id is not None]
-    cache = lm.empty_cache(cache_tokens(span, runs, strategy, n))
-    for layer in range(lm.num_layers):  # the local prefix: the target's own KV
-        cache.keys[layer][:, :, :local] = exact.keys[layer][:, :, :local]
-        cache.values[layer][:, :, :local] = exact.values[layer][:, :, :local]
-    for seg in plan.segments:
-        if seg.donor_id is None:
-            continue
-        keys, values = store.gather(seg.donor_id,
-                                    torch.arange(seg.donor_start, seg.donor_start + seg.length))
-        place(cache, lm.rotator, torch.arange(seg.target_start, seg.end),
-              [k[0] for k in keys], [v[0] for v in values],
-              torch.full((seg.length,), seg.target_start - seg.donor_start))
-    needed = needed_positions(span, runs, strategy, n)
-    if probe_writes is not None:
-        real = lm.run_layers
-
-        def spy(c, hidden, positions, layers=None, **kw):  # type: ignore[no-untyped-def]
-            probe_writes.extend(int(p) for p in positions)
-            return real(c, hidden, positions, layers, **kw)
-
-        lm.run_layers = spy  # type: ignore[method-assign]
-    try:
-        done = recompute(lm, cache, span, runs, {p: target[p] for p in needed}, strategy, n)
-    finally:
-        if probe_writes is not None:
-            del lm.run_layers
-    return done.recomputed
-
-
-def _research(lm: LayerwiseModel, target: list[int], plan: SpanPlan, store: DonorStore,
-              strategy: Strategy) -> list[int]:
-    reuse = plan_of_span(plan, len(target))
-    result = prefill(lm, target, reuse, store, strategy)
-    return [p for p in result.passes[-1][1] if reuse.reused[p]]
-
-
 def test_the_attention_accumulator_is_the_models_own_attention(lm) -> None:
     ids = _tokens(torch.Generator().manual_seed(9), 90)
     scored = 12
@@ -129,10 +87,10 @@ def test_engine_and_research_select_the_same_positions(lm, case, kind, fraction)
     target, plan, store = case
     strategy = RecomputeStrategy(RecomputeKind(kind), fraction=fraction, first_k=4,
                                  query_tokens=16)
-    mine = _engine_style(lm, target, plan, store, strategy)
+    mine = engine_style_recomputed(lm, target, plan, store, strategy)
     research = (Strategy.query(fraction, 16) if kind == "query"
                 else Strategy.first_k_query(4, fraction, 16))
-    assert mine == _research(lm, target, plan, store, research)
+    assert mine == research_recomputed(lm, target, plan, store, research)
     take = budget(strategy, len(target), plan.copied_tokens)
     runs = [(s.target_start, s.length) for s in plan.segments if s.donor_id is not None]
     halo = {start + i for start, length in runs for i in range(min(4, length))}
@@ -159,7 +117,7 @@ def test_query_picks_the_copied_tokens_the_question_attends_to_most(lm, case) ->
     copied = [p for p in range(n) if reuse.reused[p]]
     take = round(0.1 * n)
     want = sorted(sorted(copied, key=lambda p: (-float(score[p]), p))[:take])
-    assert _research(lm, target, plan, store, Strategy.query(0.1, q)) == want
+    assert research_recomputed(lm, target, plan, store, Strategy.query(0.1, q)) == want
 
 
 def test_the_probe_writes_only_the_tail_and_gaps_before_any_recompute(lm, case) -> None:
@@ -168,7 +126,17 @@ def test_the_probe_writes_only_the_tail_and_gaps_before_any_recompute(lm, case) 
     tail = tail_positions(runs, len(target))
     writes: list[int] = []
     strategy = RecomputeStrategy(RecomputeKind.QUERY, fraction=0.0, query_tokens=16)
-    assert _engine_style(lm, target, plan, store, strategy, probe_writes=writes) == []
+    real = lm.run_layers
+
+    def spy(c, hidden, positions, layers=None, **kw):  # type: ignore[no-untyped-def]
+        writes.extend(int(p) for p in positions)
+        return real(c, hidden, positions, layers, **kw)
+
+    lm.run_layers = spy  # type: ignore[method-assign]
+    try:
+        assert engine_style_recomputed(lm, target, plan, store, strategy) == []
+    finally:
+        del lm.run_layers
     copied = {p for start, length in runs for p in range(start, start + length)}
     assert not copied & set(writes)  # no copied token's KV is touched at fraction 0
     assert set(writes) >= set(tail) and tail.stop == len(target) > plan.span_tokens

@@ -21,13 +21,15 @@ from semkv.realize.recompute import (  # noqa: E402
     RecomputeStrategy,
     budget,
     needed_positions,
-    recompute,
 )
-from semkv.realize.span import place  # noqa: E402
-from semkv.research import DonorStore, LayerwiseModel, Strategy, prefill  # noqa: E402
-from semkv.research.recompute import plan_of_span  # noqa: E402
+from semkv.research import DonorStore, LayerwiseModel, Strategy  # noqa: E402
 from semkv.span_plan import SpanPlan  # noqa: E402
-from tests.tiny_model import tiny_llama, two_donor_case  # noqa: E402
+from tests.tiny_model import (  # noqa: E402
+    engine_style_recomputed,
+    research_recomputed,
+    tiny_llama,
+    two_donor_case,
+)
 
 BLOCK = 16
 
@@ -44,45 +46,12 @@ def case(lm: LayerwiseModel) -> tuple[list[int], SpanPlan, DonorStore]:
     return two_donor_case(lm, 6, BLOCK)
 
 
-def _engine_style(lm: LayerwiseModel, target: list[int], plan: SpanPlan, store: DonorStore,
-                  strategy: RecomputeStrategy) -> list[int]:
-    """The worker's realization of ``plan`` under ``strategy``: the recomputed positions."""
-    n, local = len(target), plan.local_tokens
-    exact, _ = lm.full_prefill(target[:local], capacity=n, all_logits=False)
-    cache = lm.empty_cache(n)
-    for layer in range(lm.num_layers):  # the local prefix: the target's own KV
-        cache.keys[layer][:, :, :local] = exact.keys[layer][:, :, :local]
-        cache.values[layer][:, :, :local] = exact.values[layer][:, :, :local]
-    runs = []
-    for seg in plan.segments:
-        if seg.donor_id is None:
-            continue
-        at = torch.arange(seg.donor_start, seg.donor_start + seg.length)
-        keys, values = store.gather(seg.donor_id, at)
-        place(cache, lm.rotator, torch.arange(seg.target_start, seg.end),
-              [k[0] for k in keys], [v[0] for v in values],
-              torch.full((seg.length,), seg.target_start - seg.donor_start))
-        runs.append((seg.target_start, seg.length))
-    span = range(local, plan.span_tokens)
-    needed = needed_positions(span, runs, strategy)
-    done = recompute(lm, cache, span, runs, {p: target[p] for p in needed}, strategy, n)
-    return done.recomputed
-
-
-def _research(lm: LayerwiseModel, target: list[int], plan: SpanPlan, store: DonorStore,
-              strategy: Strategy) -> list[int]:
-    reuse = plan_of_span(plan, len(target))
-    result = prefill(lm, target, reuse, store, strategy)
-    reused = reuse.reused
-    return [p for p in result.passes[-1][1] if reused[p]]
-
-
 @pytest.mark.parametrize("fraction", [0.1, 0.25, 1.0])
 def test_blend_selects_the_same_positions(lm, case, fraction) -> None:
     target, plan, store = case
-    mine = _engine_style(lm, target, plan, store,
+    mine = engine_style_recomputed(lm, target, plan, store,
                          RecomputeStrategy(RecomputeKind.BLEND, fraction=fraction))
-    theirs = _research(lm, target, plan, store, Strategy.blend(fraction))
+    theirs = research_recomputed(lm, target, plan, store, Strategy.blend(fraction))
     assert mine == theirs
     assert len(mine) == budget(RecomputeStrategy(RecomputeKind.BLEND, fraction=fraction),
                                len(target), plan.copied_tokens)
@@ -93,9 +62,9 @@ def test_blend_selects_the_same_positions(lm, case, fraction) -> None:
 @pytest.mark.parametrize("k", [1, 8])
 def test_first_k_selects_the_same_positions(lm, case, k) -> None:
     target, plan, store = case
-    mine = _engine_style(lm, target, plan, store, RecomputeStrategy(RecomputeKind.FIRST_K,
+    mine = engine_style_recomputed(lm, target, plan, store, RecomputeStrategy(RecomputeKind.FIRST_K,
                                                                     first_k=k))
-    assert mine == _research(lm, target, plan, store, Strategy.first(k))
+    assert mine == research_recomputed(lm, target, plan, store, Strategy.first(k))
     copies = [s for s in plan.segments if not s.is_gap]
     assert len(mine) == sum(min(k, s.length) for s in copies)
 
@@ -104,22 +73,22 @@ def test_first_k_selects_the_same_positions(lm, case, k) -> None:
 def test_first_k_blend_holds_the_halo_and_fills_the_budget(lm, case, k, fraction) -> None:
     target, plan, store = case
     strategy = RecomputeStrategy(RecomputeKind.FIRST_K_BLEND, fraction=fraction, first_k=k)
-    mine = _engine_style(lm, target, plan, store, strategy)
-    assert mine == _research(lm, target, plan, store, Strategy.first_k_blend(k, fraction))
+    mine = engine_style_recomputed(lm, target, plan, store, strategy)
+    assert mine == research_recomputed(lm, target, plan, store, Strategy.first_k_blend(k, fraction))
     copies = [(s.target_start, s.length) for s in plan.segments if not s.is_gap]
     halo = {start + i for start, length in copies for i in range(min(k, length))}
     assert halo <= set(mine)
     assert len(mine) == max(len(halo), budget(strategy, len(target), plan.copied_tokens))
     # beyond the halo, the same ranking as blend picks (blend's top set holds first_k_blend's)
-    blend = _engine_style(lm, target, plan, store,
+    blend = engine_style_recomputed(lm, target, plan, store,
                           RecomputeStrategy(RecomputeKind.BLEND, fraction=1.0))
     assert set(mine) <= set(blend)
 
 
 def test_none_recomputes_no_copied_position(lm, case) -> None:
     target, plan, store = case
-    assert _engine_style(lm, target, plan, store, RecomputeStrategy()) == []
-    assert _research(lm, target, plan, store, Strategy.none()) == []
+    assert engine_style_recomputed(lm, target, plan, store, RecomputeStrategy()) == []
+    assert research_recomputed(lm, target, plan, store, Strategy.none()) == []
 
 
 def test_the_op_carries_only_the_ids_the_strategy_may_compute() -> None:

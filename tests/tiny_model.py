@@ -54,3 +54,46 @@ def two_donor_case(lm: Any, question_tokens: int = 6,
                      chunk_tokens=32)
     assert plan is not None and plan.shifted_tokens > 100 and plan.computed_tokens > 0
     return target, plan, store
+
+
+def engine_style_recomputed(lm: Any, target: list[int], plan: Any, store: Any,
+                            strategy: Any) -> list[int]:
+    """The worker's realization of ``plan`` under ``strategy`` (``semkv_vllm.realization``'s
+    steps on a research runner): a cache sized as the worker sizes it, the target's own exact
+    KV for the local prefix, the copies placed (keys re-rotated), then ``recompute`` over the
+    span with the ids the op would carry. Returns the copied positions recomputed."""
+    import torch
+
+    from semkv.realize.recompute import cache_tokens, needed_positions, recompute
+    from semkv.realize.span import place
+
+    n, local = len(target), plan.local_tokens
+    span = range(local, plan.span_tokens)
+    runs = [(s.target_start, s.length) for s in plan.segments if s.donor_id is not None]
+    exact, _ = lm.full_prefill(target[:local], capacity=n, all_logits=False)
+    cache = lm.empty_cache(cache_tokens(span, runs, strategy, n))
+    for layer in range(lm.num_layers):  # the local prefix: the target's own KV
+        cache.keys[layer][:, :, :local] = exact.keys[layer][:, :, :local]
+        cache.values[layer][:, :, :local] = exact.values[layer][:, :, :local]
+    for seg in plan.segments:
+        if seg.donor_id is None:
+            continue
+        keys, values = store.gather(seg.donor_id,
+                                    torch.arange(seg.donor_start, seg.donor_start + seg.length))
+        place(cache, lm.rotator, torch.arange(seg.target_start, seg.end),
+              [k[0] for k in keys], [v[0] for v in values],
+              torch.full((seg.length,), seg.target_start - seg.donor_start))
+    needed = needed_positions(span, runs, strategy, n)
+    return recompute(lm, cache, span, runs, {p: target[p] for p in needed}, strategy,
+                     n).recomputed
+
+
+def research_recomputed(lm: Any, target: list[int], plan: Any, store: Any,
+                        strategy: Any) -> list[int]:
+    """The copied positions ``semkv.research.prefill`` recomputes under the same copies."""
+    from semkv.research import prefill
+    from semkv.research.recompute import plan_of_span
+
+    reuse = plan_of_span(plan, len(target))
+    result = prefill(lm, target, reuse, store, strategy)
+    return [p for p in result.passes[-1][1] if reuse.reused[p]]
