@@ -58,7 +58,7 @@ import torch
 from semkv.realize.cache import KVCache
 from semkv.realize.query import query_select
 from semkv.realize.runner import LayerRunner
-from semkv.realize.selection import (  # noqa: F401 - re-exported: the module's vocabulary
+from semkv.realize.selection import (
     DEFAULT_FIRST_K,
     DEFAULT_FRACTION,
     DEFAULT_PROBE_LAYERS,
@@ -78,6 +78,31 @@ from semkv.realize.selection import (  # noqa: F401 - re-exported: the module's 
     rank,
     tail_positions,
 )
+
+# The selection vocabulary lives in ``semkv.realize.selection`` (``semkv.realize.query`` imports
+# it too, without a cycle); this module re-exports it as the strategies' public home.
+__all__ = [
+    "DEFAULT_FIRST_K",
+    "DEFAULT_FRACTION",
+    "DEFAULT_PROBE_LAYERS",
+    "DEFAULT_QUERY_TOKENS",
+    "Passes",
+    "RecomputeKind",
+    "RecomputeStrategy",
+    "Recomputed",
+    "Runs",
+    "budget",
+    "cache_tokens",
+    "copied_positions",
+    "deviation",
+    "first_k_positions",
+    "layer_calls",
+    "needed_positions",
+    "rank",
+    "recompute",
+    "recompute_steps",
+    "tail_positions",
+]
 
 
 def recompute(runner: LayerRunner, cache: KVCache, positions: range, copied: Runs,
