@@ -4,8 +4,8 @@ The scheduler plans every request against up to 16 candidate donors, and buildin
 k-gram -> first-position index (``semkv.span_map``) was most of the planning time, though a
 donor's tokens rarely change between requests. Entries are keyed by the donor's exact token
 bytes (plus k), so a stale entry can never be used: a donor whose tokens changed (or an evicted
-donor id reused for other tokens) simply misses. The cache is an LRU bounded by an estimate of
-its bytes, so memory stays capped without any hook into the donor registry.
+donor id reused for other tokens) simply misses. The cache is an LRU bounded by its bytes (each
+entry's key and index arrays), so memory stays capped without any hook into the donor registry.
 """
 
 from __future__ import annotations
@@ -15,14 +15,73 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-AnchorIndex = dict[int, int]  # k-gram key (its hash, semkv.span_map.gram_keys) -> position
+import numpy as np
+import numpy.typing as npt
 
 DEFAULT_MAX_BYTES = 128 * 1024 * 1024
-_BYTES_PER_ENTRY = 160  # measured 152: 0.62 MB per 4K-token donor (int keys; tracemalloc)
+Tokens = Sequence[int] | npt.NDArray[np.int64]
 
 
-def token_key(tokens: Sequence[int]) -> bytes:
+class AnchorIndex:
+    """A donor's distinct k-gram keys (``semkv.span_map.gram_keys``), sorted, each with the donor
+    position where it first occurs: 16 bytes per distinct k-gram (64 KB per 4K-token donor).
+    Built once per donor and only read afterwards."""
+
+    __slots__ = ("keys", "first")
+
+    def __init__(self, keys: npt.NDArray[np.int64], first: npt.NDArray[np.int64]) -> None:
+        """``keys`` sorted and distinct, ``first[i]`` the first donor position of ``keys[i]``."""
+        self.keys, self.first = keys, first
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, AnchorIndex) and np.array_equal(self.keys, other.keys)
+                and np.array_equal(self.first, other.first))
+
+    __hash__ = None  # type: ignore[assignment]  # arrays inside: not hashable
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.keys.nbytes + self.first.nbytes)
+
+    def lookup(self, grams: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Per key of ``grams`` (any order): the first donor position of that key, or -1.
+
+        NOTE: numpy's binary search is about 2.5x faster over sorted queries: a caller that
+        looks up the same keys in many indexes sorts them once (``lookup_sorted``)."""
+        if not len(self.keys) or not len(grams):
+            return np.full(len(grams), -1, np.int64)
+        at = np.searchsorted(self.keys, grams)
+        np.minimum(at, len(self.keys) - 1, out=at)
+        return np.where(self.keys[at] == grams, self.first[at], -1)
+
+    def holds_any(self, grams: npt.NDArray[np.int64]) -> bool:
+        """Is any key of ``grams`` in the index?"""
+        if not len(self.keys) or not len(grams):
+            return False
+        at = np.searchsorted(self.keys, grams)
+        np.minimum(at, len(self.keys) - 1, out=at)
+        return bool((self.keys[at] == grams).any())
+
+    def lookup_sorted(self, unique: npt.NDArray[np.int64],
+                      inverse: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """``lookup(unique[inverse])`` for ``unique`` sorted and distinct (``np.unique``)."""
+        return self.lookup(unique)[inverse]
+
+    @classmethod
+    def empty(cls) -> AnchorIndex:
+        return cls(np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+    def __repr__(self) -> str:
+        return f"AnchorIndex({len(self)} keys)"
+
+
+def token_key(tokens: Tokens) -> bytes:
     """The exact tokens as bytes: equal keys mean equal token sequences."""
+    if isinstance(tokens, np.ndarray):
+        return tokens.astype(np.int64, copy=False).tobytes()
     if isinstance(tokens, array) and tokens.typecode == "q":
         return tokens.tobytes()
     return array("q", tokens).tobytes()
@@ -54,8 +113,8 @@ class AnchorCache:
             self._entries.clear()
             self._bytes = 0
 
-    def get(self, tokens: Sequence[int], k: int,
-            build: Callable[[Sequence[int], int], AnchorIndex]) -> AnchorIndex:
+    def get(self, tokens: Tokens, k: int,
+            build: Callable[[Tokens, int], AnchorIndex]) -> AnchorIndex:
         """The index of ``tokens`` for ``k``, built with ``build`` on a miss."""
         key = (k, token_key(tokens))
         with self._lock:
@@ -65,7 +124,7 @@ class AnchorCache:
                 self.hits += 1
                 return found[0]
         index = build(tokens, k)
-        size = len(key[1]) + _BYTES_PER_ENTRY * len(index)
+        size = len(key[1]) + index.nbytes
         with self._lock:
             self.misses += 1
             if size > self.max_bytes:

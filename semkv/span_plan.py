@@ -30,7 +30,7 @@ Protocol:
    ``target_start - donor_start``) and computes each gap.
 
 NOTE: plans hold positions, lengths and donor ids only, never token ids: safe to log and to
-send across processes (JSON and pickle). Pure Python: no torch, no vLLM.
+send across processes (JSON and pickle). numpy only: no torch, no vLLM.
 """
 
 from __future__ import annotations
@@ -38,13 +38,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from semkv.anchor_cache import AnchorIndex
 from semkv.span_map import (
     DEFAULT_ANCHOR_TOKENS,
+    Bools,
+    Ints,
+    TargetGrams,
     anchor_index,
-    gram_keys,
     shares_anchor,
+    token_array,
     walk_donor,
 )
 
@@ -162,8 +167,21 @@ class ReuseDecision:
     runs: tuple[SpanSegment, ...]  # the reused positions, as copied segments in target order
 
 
-def _map_donor(target: list[int], donor: Sequence[int], k: int, grams: list[int],
-               anchors: Mapping[int, int] | None = None) -> tuple[list[int], list[bool]]:
+@dataclass(frozen=True)
+class _Choice:
+    """``decide_reuse``'s arrays: per target position the serving donor's index in ``names``
+    (-1: none), its position (NO_SOURCE), identity; and the runs."""
+
+    names: list[str]
+    donor: Ints
+    positions: Ints
+    identical: Bools
+    runs: tuple[SpanSegment, ...]
+
+
+def _map_donor(target: Sequence[int] | Ints, donor: Sequence[int] | Ints, k: int,
+               grams: Ints | TargetGrams, anchors: AnchorIndex | None = None,
+               ) -> tuple[Ints, Bools]:
     """``map_tokens`` over the whole target, continued past the point where it ran off the donor.
 
     ``map_tokens`` stops for good at the first position after its walk passed the donor's end
@@ -175,54 +193,74 @@ def _map_donor(target: list[int], donor: Sequence[int], k: int, grams: list[int]
     the donor's ``anchor_index`` when the caller already looked it up.
     """
     n = len(target)
-    if not donor:
-        return [NO_SOURCE] * n, [False] * n
+    if not len(donor):
+        return np.full(n, NO_SOURCE, np.int64), np.zeros(n, np.bool_)
     return walk_donor(target, donor, 0, n, k, grams, resume_with=NO_SOURCE, anchors=anchors)
 
 
-def _best_donor_per_chunk(
-    n: int, maps: Mapping[str, tuple[list[int], list[bool]]], chunk_tokens: int,
-) -> tuple[list[str | None], list[int], list[bool]]:
-    donor_ids: list[str | None] = [None] * n
-    positions = [NO_SOURCE] * n
-    identical = [False] * n
-    for start in range(0, n, chunk_tokens):
-        end = min(start + chunk_tokens, n)
-        best: str | None = None
-        best_score = -1
-        for donor, (_, same) in maps.items():
-            score = sum(same[start:end])
-            if score > best_score:  # strictly better: ties keep the first donor given
-                best, best_score = donor, score
-        if best is None:
-            continue
-        sources, same = maps[best]
-        for p in range(start, end):
-            if sources[p] != NO_SOURCE:  # unmapped stays None: no KV serves that position
-                donor_ids[p], positions[p], identical[p] = best, sources[p], same[p]
-    return donor_ids, positions, identical
+def _best_donor_per_chunk(n: int, maps: list[tuple[Ints, Bools]], chunk_tokens: int,
+                          ) -> tuple[Ints, Ints, Bools]:
+    """Per target chunk the donor with the most identical tokens (ties: the first given);
+    per position its index in ``maps`` (-1 where it maps nothing), position and identity."""
+    if not maps:
+        return np.full(n, -1, np.int64), np.full(n, NO_SOURCE, np.int64), np.zeros(n, np.bool_)
+    sources = np.stack([m[0] for m in maps])
+    same = np.stack([m[1] for m in maps])
+    chunks = -(-n // chunk_tokens)
+    padded = np.zeros((len(maps), chunks * chunk_tokens), np.int64)
+    padded[:, :n] = same
+    best = padded.reshape(len(maps), chunks, chunk_tokens).sum(axis=2).argmax(axis=0)
+    chosen = np.repeat(best, chunk_tokens)[:n]
+    at = np.arange(n)
+    positions = sources[chosen, at]
+    mapped = positions != NO_SOURCE  # unmapped stays None: no KV serves that position
+    return np.where(mapped, chosen, -1), positions, same[chosen, at] & mapped
 
 
-def _runs(
-    donor_ids: Sequence[str | None], positions: Sequence[int], usable: Sequence[bool],
-    min_run: int,
-) -> tuple[SpanSegment, ...]:
-    runs: list[SpanSegment] = []
-    n, p = len(usable), 0
-    while p < n:
-        donor = donor_ids[p]
-        if not usable[p] or donor is None:
-            p += 1
-            continue
-        start = p
-        while (p + 1 < n and usable[p + 1] and donor_ids[p + 1] == donor
-               and positions[p + 1] == positions[p] + 1):
-            p += 1
-        if p - start + 1 >= min_run:
-            runs.append(SpanSegment(target_start=start, length=p - start + 1, donor_id=donor,
-                                    donor_start=positions[start]))
-        p += 1
-    return tuple(runs)
+def _runs(names: list[str], donor: Ints, positions: Ints, usable: Bools,
+          min_run: int) -> tuple[SpanSegment, ...]:
+    """Usable positions served by consecutive positions of one donor, at least ``min_run``."""
+    n = len(usable)
+    if not n:
+        return ()
+    goes_on = np.zeros(n + 1, np.bool_)  # position p continues the run of p - 1
+    goes_on[1:n] = (usable[1:] & usable[:-1] & (donor[1:] == donor[:-1])
+                    & (positions[1:] == positions[:-1] + 1))
+    starts = np.flatnonzero(usable & ~goes_on[:n])
+    ends = np.flatnonzero(usable & ~goes_on[1:])  # the last position of each run
+    keep = ends - starts + 1 >= min_run
+    # NOTE: built without re-validation: every field comes from the arrays checked above
+    # (positive lengths, non-negative positions, a named donor).
+    return tuple(SpanSegment.model_construct(target_start=a, length=b - a + 1,
+                                             donor_id=names[d], donor_start=q)
+                 for a, b, d, q in zip(starts[keep].tolist(), ends[keep].tolist(),
+                                       donor[starts[keep]].tolist(),
+                                       positions[starts[keep]].tolist(), strict=True))
+
+
+def _choose(target: Sequence[int], donors: Mapping[str, Sequence[int]], chunk_tokens: int,
+            min_run_tokens: int, anchor_tokens: int, reuse_mismatched: bool) -> _Choice:
+    if chunk_tokens < 1:
+        raise ValueError("chunk_tokens must be positive")
+    ids = token_array(target)  # e.g. vLLM's ConstantList
+    n = len(ids)
+    k = max(1, anchor_tokens)
+    grams = TargetGrams.of(ids, k)  # one target's k-gram keys, for every donor
+    # Identical-token plans map only the donors that share a sampled anchor (shares_anchor:
+    # every shared run of 23+ tokens has one); research's mismatched reuse maps every donor.
+    names: list[str] = []
+    maps: list[tuple[Ints, Bools]] = []
+    for d, tokens in donors.items():
+        anchors = anchor_index(tokens, k) if len(tokens) else AnchorIndex.empty()
+        if reuse_mismatched or shares_anchor(anchors, grams):
+            names.append(d)
+            maps.append(_map_donor(ids, tokens, k, grams, anchors))
+    donor, positions, identical = _best_donor_per_chunk(n, maps, chunk_tokens)
+    usable = identical | (reuse_mismatched & (donor >= 0))
+    if n:  # the last prompt token is never reused: its logits start the generation
+        usable[n - 1] = False
+    runs = _runs(names, donor, positions, usable, max(1, min_run_tokens))
+    return _Choice(names, donor, positions, identical, runs)
 
 
 def decide_reuse(
@@ -235,25 +273,10 @@ def decide_reuse(
     reuse_mismatched: bool = False,
 ) -> ReuseDecision:
     """Which donor position serves each target position, and the runs worth copying (step 1)."""
-    if chunk_tokens < 1:
-        raise ValueError("chunk_tokens must be positive")
-    n = len(target)
-    ids = target if isinstance(target, list) else list(target)  # e.g. vLLM's ConstantList
-    k = max(1, anchor_tokens)
-    grams = gram_keys(ids, 0, n, k)  # one target's k-gram keys, for every donor
-    # Identical-token plans map only the donors that share a sampled anchor (shares_anchor:
-    # every shared run of 23+ tokens has one); research's mismatched reuse maps every donor.
-    maps: dict[str, tuple[list[int], list[bool]]] = {}
-    for d, tokens in donors.items():
-        anchors = anchor_index(tokens, k) if tokens else {}  # one cache look-up per donor
-        if reuse_mismatched or shares_anchor(anchors, grams):
-            maps[d] = _map_donor(ids, tokens, k, grams, anchors)
-    donor_ids, positions, identical = _best_donor_per_chunk(n, maps, chunk_tokens)
-    # The last prompt token is never reused: its logits start the generation.
-    usable = [(identical[p] or (reuse_mismatched and donor_ids[p] is not None)) and p != n - 1
-              for p in range(n)]
-    runs = _runs(donor_ids, positions, usable, max(1, min_run_tokens))
-    return ReuseDecision(tuple(donor_ids), tuple(positions), tuple(identical), runs)
+    c = _choose(target, donors, chunk_tokens, min_run_tokens, anchor_tokens, reuse_mismatched)
+    named: list[str | None] = [*c.names, None]  # index -1: no donor
+    return ReuseDecision(tuple(named[i] for i in c.donor.tolist()), tuple(c.positions.tolist()),
+                         tuple(c.identical.tolist()), c.runs)
 
 
 def span_end(num_tokens: int, local_tokens: int, block_size: int,
@@ -287,11 +310,11 @@ def plan_span(
     end = span_end(len(target_ids), local_tokens, block_size, max_span_tokens)
     if end <= local_tokens or not donors:
         return None
-    decision = decide_reuse(target_ids, donors, chunk_tokens=chunk_tokens,
-                            min_run_tokens=min_run_tokens, anchor_tokens=anchor_tokens)
+    runs = _choose(target_ids, donors, chunk_tokens, min_run_tokens, anchor_tokens,
+                   reuse_mismatched=False).runs
     segments: list[SpanSegment] = []
     at = local_tokens
-    for run in decision.runs:
+    for run in runs:
         # Runs are decided on the whole target, then clipped to the span, so the engine reuses
         # exactly the positions research reuses inside [local_tokens, end).
         lo, hi = max(run.target_start, at), min(run.end, end)

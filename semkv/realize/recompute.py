@@ -77,6 +77,7 @@ from semkv.realize.selection import (
     needed_positions,
     rank,
     tail_positions,
+    uncovered_positions,
 )
 
 # The selection vocabulary lives in ``semkv.realize.selection`` (``semkv.realize.query`` imports
@@ -102,6 +103,7 @@ __all__ = [
     "recompute",
     "recompute_steps",
     "tail_positions",
+    "uncovered_positions",
 ]
 
 

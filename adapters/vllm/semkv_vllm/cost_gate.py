@@ -56,6 +56,7 @@ from semkv.realize.recompute import (
     first_k_positions,
     needed_positions,
     tail_positions,
+    uncovered_positions,
 )
 from semkv.span_plan import SpanPlan
 from semkv_vllm.metadata import RealizeOp, SemkvWorkerMetadata
@@ -76,8 +77,7 @@ def _passes(layers: int, positions: range, runs: Runs, recompute: RecomputeStrat
     if not recompute.kind.probes or not len(positions):
         return [(layers, needed_positions(positions, runs, recompute))]
     probe = min(recompute.probe_layers, layers)
-    copied = set(copied_positions(runs))
-    chosen = sorted({p for p in positions if p not in copied} | set(top))
+    chosen = sorted(set(uncovered_positions(positions, runs)) | set(top))
     passes = [(probe, list(positions))]
     if probe < layers:
         passes.append((layers - probe, chosen))
@@ -88,14 +88,13 @@ def _query_passes(layers: int, positions: range, runs: Runs, top: Sequence[int],
                   prompt_tokens: int, first: int | None) -> list[tuple[int, list[int]]]:
     """``semkv.realize.query``'s two stages: the probe (the non-copied positions before the
     tail, then the tail, the part after the span included) and the recompute from layer 0."""
-    copied = set(copied_positions(runs))
+    gaps = uncovered_positions(positions, runs)
     tail = tail_positions(runs, prompt_tokens)
-    before = [p for p in positions if p not in copied and p < tail.start]
+    before = [p for p in gaps if p < tail.start]
     passes = [(layers, before), (layers, list(tail))]
     if top:
         start = min(top) if first is None else first
-        passes.append((layers, sorted(set(top) | {p for p in positions
-                                                  if p not in copied and p > start})))
+        passes.append((layers, sorted(set(top) | {p for p in gaps if p > start})))
     return [(n, at) for n, at in passes if at]
 
 
