@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -95,15 +96,50 @@ class PageLayout:
         shape = (pages.shape[0] * self.block_size, *self.k_offsets.shape[1:])
         return k.reshape(shape), v.reshape(shape)
 
+    @cached_property
+    def _source(self) -> torch.Tensor:
+        """Per page element, its index in one block's K then V, token-major (the inverse of
+        the offsets: a bijection, as ``probe`` and ``token_major`` guarantee)."""
+        k, v = self.k_offsets.flatten(), self.v_offsets.flatten()
+        inverse = torch.empty(k.numel() + v.numel(), dtype=torch.long)
+        inverse[k] = torch.arange(k.numel())
+        inverse[v] = torch.arange(k.numel(), k.numel() + v.numel())
+        return inverse
+
     def write(self, kv: torch.Tensor, block_ids: Sequence[int], keys: torch.Tensor,
               values: torch.Tensor) -> None:
-        """Store token-major ``keys``/``values`` [len(block_ids) * B, H, D] into whole blocks."""
+        """Store token-major ``keys``/``values`` [len(block_ids) * B, H, D] into whole blocks.
+
+        NOTE: every element of the blocks is written (the layout is a bijection onto the
+        page), so the pages are assembled by one gather, never read first."""
         n = len(block_ids)
         idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=kv.device)
-        pages = kv.index_select(0, idx).reshape(n, -1)
-        pages[:, self.k_offsets.to(kv.device).flatten()] = keys.reshape(n, -1).to(kv.dtype)
-        pages[:, self.v_offsets.to(kv.device).flatten()] = values.reshape(n, -1).to(kv.dtype)
+        both = torch.cat([keys.reshape(n, -1), values.reshape(n, -1)], dim=1).to(kv.dtype)
+        pages = both.index_select(1, self._source.to(kv.device))
         kv.index_copy_(0, idx, pages.view(n, *kv.shape[1:]))
+
+
+    def token_index(self, blocks: torch.Tensor, rows: torch.Tensor,
+                    page_numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Element offsets, in a contiguous block-major tensor flattened (``flat``), of the K
+        and of the V of token ``rows``: row r is token ``r % block_size`` of block
+        ``blocks[r // block_size]``; each ordered (row, head, channel), token-major.
+
+        Built once per realization and used for every layer (each layer's tensor has the same
+        shape), so a layer's tokens are read or written in one gather or scatter pass instead
+        of copying whole pages out and back."""
+        bs = self.block_size
+        base = blocks.to(torch.long)[rows // bs] * page_numel
+        within = rows % bs
+        k = (base[:, None] + self.k_offsets.reshape(bs, -1)[within]).reshape(-1)
+        v = (base[:, None] + self.v_offsets.reshape(bs, -1)[within]).reshape(-1)
+        return k, v
+
+
+def flat(kv: torch.Tensor) -> torch.Tensor | None:
+    """``kv`` as one flat view when its elements are laid out contiguously (vLLM's CPU pages,
+    the donor store), else None: the caller reads and writes whole pages instead."""
+    return kv.view(-1) if kv.is_contiguous() else None
 
 
 def backend_writer(layer: object) -> CacheWriter | None:

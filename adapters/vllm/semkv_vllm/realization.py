@@ -63,6 +63,7 @@ from semkv.realize.recompute import cache_tokens, layer_calls, recompute_steps
 from semkv.realize.span import place_layer
 from semkv_vllm.metadata import RealizeOp
 from semkv_vllm.page_layout import PageLayout
+from semkv_vllm.span_io import SpanReads, write_span
 from semkv_vllm.step_timing import Clock, Span
 
 log = get_logger("semkv.vllm.realization")
@@ -233,12 +234,8 @@ class SpanRealizer:
         """The span's KV into the request's blocks (main thread, between steps)."""
         op, cache = realized.op, realized.cache
         assert cache is not None
-        lo, hi = op.local_tokens, op.span_tokens
-        for layer, name in enumerate(self.layer_names):
-            kv = self.kv_caches[name]
-            keys = cache.keys[layer][0, :, lo:hi].transpose(0, 1).to(kv.device)
-            values = cache.values[layer][0, :, lo:hi].transpose(0, 1).to(kv.device)
-            self.layout.write(kv, op.block_ids, keys, values)
+        write_span(self.layout, [self.kv_caches[name] for name in self.layer_names],
+                   op.block_ids, cache, op.local_tokens, op.span_tokens)
 
     def shutdown(self) -> None:
         self._jobs.clear()  # the engine is going away: nothing will read these blocks
@@ -290,10 +287,14 @@ class SpanRealizer:
         moved = torch.cat([torch.zeros(op.local_tokens, dtype=torch.long), *deltas])
         picked = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
         rotator = runner.rotator if bool(moved.any()) else None
+        layer0 = self.layer_names[0]
+        reads = SpanReads(self.layout, self.kv_caches[layer0], self.store.get(layer0), local,
+                          slots, picked, op.local_tokens, runner.device, runner.kv_heads,
+                          runner.head_dim, runner.dtype)
         # Layer by layer: one layer's donor K/V in memory beside the cache, never all of them.
         for layer, name in enumerate(self.layer_names):
             with torch.no_grad():
-                k, v = self._read(name, slots, picked, local)
+                k, v = reads.layer(self.kv_caches[name], self.store.get(name))
                 place_layer(cache, layer, rotator, at, k, v, moved)
                 del k, v
             yield 0  # reads and re-rotation: charged the per-call overhead only
@@ -308,27 +309,6 @@ class SpanRealizer:
         calls = _fault_after(FAULT_AFTER_CALLS)
         done = yield from (steps if calls is None else _failing_after(steps, calls))
         return cache, done.recomputed
-
-    def _read(self, name: str, slots: torch.Tensor, picked: torch.Tensor,
-              local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's local-prefix and copied K/V, ``[kv_heads, T, head_dim]`` each."""
-        dev = self.runner.device
-        parts_k, parts_v = [], []
-        if local.numel():
-            kv = self.kv_caches[name]
-            k, v = self.layout.read(kv.index_select(0, local.to(kv.device)))
-            parts_k.append(k.to(dev))
-            parts_v.append(v.to(dev))
-        if slots.numel():
-            k, v = self.layout.read(self.store[name].index_select(0, slots).to(dev))
-            parts_k.append(k[picked.to(dev)])
-            parts_v.append(v[picked.to(dev)])
-        if not parts_k:  # nothing copied, no local prefix: every span token is a gap
-            r = self.runner
-            parts_k = parts_v = [torch.zeros(0, r.kv_heads, r.head_dim, dtype=r.dtype, device=dev)]
-        k = torch.cat(parts_k) if len(parts_k) > 1 else parts_k[0]
-        v = torch.cat(parts_v) if len(parts_v) > 1 else parts_v[0]
-        return k.transpose(0, 1), v.transpose(0, 1)
 
     def _fail_midway(self, cache: KVCache, op: RealizeOp, after: int) -> None:
         """Fault injection: compute the first layers for real, then fail."""

@@ -85,16 +85,24 @@ class RopeShift:
     def max_shift(self) -> int:
         return int(self.cos.shape[0]) - 1
 
-    def rotate(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
-        """``keys`` [tokens, heads, head_size] moved by ``deltas`` [tokens] positions."""
-        if keys.shape[0] != deltas.shape[0]:
-            raise ValueError("one delta per token")
+    def factors(self, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin ``[tokens, 1, rotary_dim // 2]`` of ``deltas`` [tokens]: the same
+        for every layer of a realization, so its worker computes them once (``rotate``)."""
         if deltas.numel() and int(deltas.abs().max()) > self.max_shift:
             raise ValueError("position shift beyond the rotary table")
-        k = keys.to(torch.float32)
         idx = deltas.abs().long()
-        cos = self.cos[idx].unsqueeze(1)  # [T, 1, half]
+        cos = self.cos[idx].unsqueeze(1)
         sin = (self.sin[idx] * torch.sign(deltas).to(torch.float32).unsqueeze(1)).unsqueeze(1)
+        return cos, sin
+
+    def rotate(self, keys: torch.Tensor, deltas: torch.Tensor,
+               factors: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``keys`` [tokens, heads, head_size] moved by ``deltas`` [tokens] positions
+        (``factors``: ``self.factors(deltas)``, when the caller already has them)."""
+        if keys.shape[0] != deltas.shape[0]:
+            raise ValueError("one delta per token")
+        cos, sin = self.factors(deltas) if factors is None else factors
+        k = keys.to(torch.float32)
         rot = k[..., : self.rotary_dim]
         if self.neox:
             x1, x2 = rot.chunk(2, dim=-1)

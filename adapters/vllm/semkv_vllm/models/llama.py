@@ -51,6 +51,10 @@ class ShiftRotator:
 
     def __init__(self, shift: RopeShift) -> None:
         self.shift = shift
+        # The last deltas rotated by (with its in-place version) and their factors: a
+        # realization rotates every layer's keys by one deltas tensor. NOTE: held here, so its
+        # identity cannot be reused; an in-place edit bumps the version.
+        self._last: tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def rotate(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         """``keys`` [..., T, head_dim] (post-RoPE) moved by ``deltas`` [T] positions."""
@@ -58,7 +62,11 @@ class ShiftRotator:
         moved = keys.movedim(-2, 0)
         flat = moved.reshape(moved.shape[0], -1, moved.shape[-1])
         # RopeShift's tables live on the CPU (built once from the engine's rotary cache).
-        out = self.shift.rotate(flat.cpu(), deltas.to(torch.long).cpu()).to(keys.device)
+        on_cpu = deltas.to(torch.long).cpu()
+        last = self._last
+        if last is None or last[0] is not deltas or last[1] != deltas._version:
+            last = self._last = (deltas, deltas._version, self.shift.factors(on_cpu))
+        out = self.shift.rotate(flat.cpu(), on_cpu, last[2]).to(keys.device)
         return out.reshape(moved.shape).movedim(0, -2)
 
 
