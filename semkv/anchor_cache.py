@@ -22,16 +22,33 @@ DEFAULT_MAX_BYTES = 128 * 1024 * 1024
 Tokens = Sequence[int] | npt.NDArray[np.int64]
 
 
+_SKETCH_BITS = 1 << 16  # 8 KB: ~6 % false positives for a 4K-token donor's keys
+
+
 class AnchorIndex:
     """A donor's distinct k-gram keys (``semkv.span_map.gram_keys``), sorted, each with the donor
-    position where it first occurs: 16 bytes per distinct k-gram (64 KB per 4K-token donor).
-    Built once per donor and only read afterwards."""
+    position where it first occurs: 16 bytes per distinct k-gram (64 KB per 4K-token donor),
+    plus a one-bit-per-slot sketch of the keys' low 16 bits (8 KB). Built once per donor and
+    only read afterwards.
 
-    __slots__ = ("keys", "first")
+    NOTE: most candidates of a request share only its template with it (a few dozen k-grams):
+    the sketch answers "certainly not here" for ~94 % of a target's other keys, so only the
+    rest are searched (``lookup_sorted``)."""
+
+    __slots__ = ("keys", "first", "sketch")
 
     def __init__(self, keys: npt.NDArray[np.int64], first: npt.NDArray[np.int64]) -> None:
         """``keys`` sorted and distinct, ``first[i]`` the first donor position of ``keys[i]``."""
         self.keys, self.first = keys, first
+        self.sketch = np.zeros(_SKETCH_BITS // 8, np.uint8)
+        low = keys & (_SKETCH_BITS - 1)
+        np.bitwise_or.at(self.sketch, low >> 3, (1 << (low & 7)).astype(np.uint8))
+
+    def may_hold(self, grams: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+        """Per key: False where the index certainly lacks it (the sketch's bit is clear)."""
+        low = grams & (_SKETCH_BITS - 1)
+        bits: npt.NDArray[np.bool_] = (self.sketch[low >> 3] >> (low & 7).astype(np.uint8)) & 1 == 1
+        return bits
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -44,7 +61,7 @@ class AnchorIndex:
 
     @property
     def nbytes(self) -> int:
-        return int(self.keys.nbytes + self.first.nbytes)
+        return int(self.keys.nbytes + self.first.nbytes + self.sketch.nbytes)
 
     def lookup(self, grams: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """Per key of ``grams`` (any order): the first donor position of that key, or -1.
@@ -59,6 +76,7 @@ class AnchorIndex:
 
     def holds_any(self, grams: npt.NDArray[np.int64]) -> bool:
         """Is any key of ``grams`` in the index?"""
+        grams = grams[self.may_hold(grams)]
         if not len(self.keys) or not len(grams):
             return False
         at = np.searchsorted(self.keys, grams)
@@ -68,7 +86,10 @@ class AnchorIndex:
     def lookup_sorted(self, unique: npt.NDArray[np.int64],
                       inverse: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """``lookup(unique[inverse])`` for ``unique`` sorted and distinct (``np.unique``)."""
-        return self.lookup(unique)[inverse]
+        maybe = self.may_hold(unique)
+        found = np.full(len(unique), -1, np.int64)
+        found[maybe] = self.lookup(unique[maybe])
+        return found[inverse]
 
     @classmethod
     def empty(cls) -> AnchorIndex:

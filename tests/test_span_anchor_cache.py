@@ -39,7 +39,7 @@ def test_changed_tokens_miss_the_cache() -> None:
 
 
 def test_lru_eviction_keeps_the_byte_bound() -> None:
-    cache = AnchorCache(max_bytes=2_000)  # ~224 bytes an entry: eviction must happen
+    cache = AnchorCache(max_bytes=40_000)  # ~8.4 KB an entry (the sketch): eviction must happen
     donors = [list(range(i, i + 10)) for i in range(20)]
     for d in donors:
         assert cache.get(d, 2, build_anchor_index) == build_anchor_index(d, 2)
@@ -47,3 +47,16 @@ def test_lru_eviction_keeps_the_byte_bound() -> None:
     assert 0 < len(cache) < len(donors)
     cache.get(donors[0], 2, build_anchor_index)  # evicted long ago: rebuilt
     assert cache.misses == len(donors) + 1
+
+
+@given(st.lists(st.integers(0, 50_000), min_size=8, max_size=400), st.integers(1, 8))
+def test_the_sketch_never_hides_a_key_and_the_sorted_lookup_is_the_plain_one(
+        donor: list[int], k: int) -> None:
+    import numpy as np
+
+    index = build_anchor_index(donor, k)
+    keys = gram_keys(donor, 0, len(donor), k)
+    assert index.may_hold(keys).all()
+    target = gram_keys(donor[::-1] + donor[: len(donor) // 2], 0, 10**6, k)
+    unique, inverse = np.unique(target, return_inverse=True)
+    assert np.array_equal(index.lookup_sorted(unique, inverse.reshape(-1)), index.lookup(target))
