@@ -9,7 +9,8 @@ full-vocabulary KL(cold || strategy) in nats, at the last prompt position (one p
 target: noisier than the engine frontier's mean over 32 teacher-forced answer positions).
 
 Arms: ``none``, ``first16``, ``blend<r>``, ``first16+blend<r>``, ``query<r>``,
-``first16+query<r>`` (query-aware: ``semkv.realize.query``), ``oracle<r>`` (copied tokens
+``first16+query<r>`` (query-aware: ``semkv.realize.query``), ``progressive<r>`` (per-layer
+selection, CacheBlend's gradual filtering; research only), ``oracle<r>`` (copied tokens
 ranked by their true deviation from the cold KV over every layer: what the best selection of
 single tokens reaches at that share), and the fp8 floor (the cold KV of every prompt token but
 the last rounded through fp8 with ``semkv.realize.fp8.round_fp8``, the engine's ``kv_floor``
@@ -38,13 +39,17 @@ KINDS = ("multi_passage_rag", "reordered_chunks", "quoted_section", "cross_instr
 RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
 
 
-def arms() -> list[Any]:
+def arms(names: list[str] | None = None) -> list[Any]:
+    """Every arm (``names``: only those, by ``Strategy.name``)."""
     from semkv.research import Strategy
+    from semkv.research.study import strategy_from_name
 
+    if names:
+        return [strategy_from_name(n) for n in names]
     out = [Strategy.none(), Strategy.first(16)]
     for r in RATIOS:
         out += [Strategy.blend(r), Strategy.first_k_blend(16, r), Strategy.query(r),
-                Strategy.first_k_query(16, r), Strategy.oracle(r)]
+                Strategy.first_k_query(16, r), Strategy.oracle(r), Strategy.progressive(r)]
     return out
 
 
@@ -97,7 +102,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         row: dict[str, Any] = {"kind": t.kind.value, "prompt_tokens": n, "donors": len(labelled),
                                "copied": plan.reused_tokens,
                                "floor_kl": kl(cold[-1], fp8_floor(lm, ids)), "arms": {}}
-        for strategy in arms():
+        for strategy in arms(args.arms):
             result = prefill(lm, ids, plan, store, strategy)
             row["arms"][strategy.name] = {
                 "kl": kl(cold[-1], result.logits),
@@ -121,15 +126,18 @@ def summarize(raw: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
     out: dict[str, dict[str, dict[str, float]]] = {}
     for kind, rows in groups.items():
         out[kind] = {"fp8_floor": {"kl": med(r["floor_kl"] for r in rows), "share": 0.0,
-                                   "n": len(rows)}}
+                                   "token_layers": 0.0, "n": len(rows)}}
         for name in rows[0]["arms"]:
             out[kind][name] = {"kl": med(r["arms"][name]["kl"] for r in rows),
                                "share": med(r["arms"][name]["share"] for r in rows),
+                               "token_layers": med(r["arms"][name]["token_layers"]
+                                                   for r in rows),
                                "n": len(rows)}
     return out
 
 
-def plot(summary: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
+def plot(summary: dict[str, dict[str, dict[str, float]]], path: Path,
+         x_axis: str = "share") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,19 +146,24 @@ def plot(summary: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
     kinds = list(summary)
     fig, axes = plt.subplots(1, len(kinds), figsize=(4.2 * len(kinds), 3.6), squeeze=False)
     families = {"blend": "blend", "first16+blend": "first16+blend", "query": "query",
-                "first16+query": "first16+query", "oracle": "oracle"}
+                "first16+query": "first16+query", "oracle": "oracle",
+                "progressive": "progressive"}
     for ax, kind in zip(axes[0], kinds, strict=True):
         arms_ = summary[kind]
         for label, prefix in families.items():
-            pts = sorted((v["share"], v["kl"]) for k, v in arms_.items()
+            pts = sorted((v[x_axis], v["kl"]) for k, v in arms_.items()
                          if k.rstrip("0123456789") == prefix)
+            if not pts:
+                continue
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         for name, marker in (("none", "x"), ("first16", "s")):
-            ax.plot([arms_[name]["share"]], [arms_[name]["kl"]], marker, label=name)
+            if name in arms_:
+                ax.plot([arms_[name][x_axis]], [arms_[name]["kl"]], marker, label=name)
         ax.axhline(arms_["fp8_floor"]["kl"], linestyle="--", color="grey", label="fp8 floor")
         ax.set_yscale("log")
-        ax.set_title(f"{kind} (n={int(arms_['none']['n'])})", fontsize=9)
-        ax.set_xlabel("share of the prompt recomputed")
+        ax.set_title(f"{kind} (n={int(arms_['fp8_floor']['n'])})", fontsize=9)
+        ax.set_xlabel("share of the prompt recomputed" if x_axis == "share"
+                      else "token-layers computed, share of a full prefill")
     axes[0][0].set_ylabel("median next-token KL vs cold (nats)")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
@@ -167,17 +180,22 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("bench-results/recompute_curves.json"))
     p.add_argument("--plot", type=Path, default=Path("bench-results/recompute_curves.png"))
+    p.add_argument("--arms", nargs="+", help="only these arms, by name (e.g. blend15 query30 "
+                   "progressive10); default: every arm")
+    p.add_argument("--x-axis", choices=("share", "token_layers"), default="share",
+                   help="the plot's x: tokens through every layer, or token-layers computed")
     args = p.parse_args()
     raw = measure(args)
     raw["summary"] = summarize(raw)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(raw, indent=1))
-    plot(raw["summary"], args.plot)
+    plot(raw["summary"], args.plot, args.x_axis)
     for kind, arms_ in raw["summary"].items():
         print(f"\n{kind}: fp8 floor KL {arms_['fp8_floor']['kl']:.5f}")
         for name, v in arms_.items():
             if name != "fp8_floor":
-                print(f"  {name:>16}: KL {v['kl']:.5f}  share {v['share']:.1%}")
+                print(f"  {name:>16}: KL {v['kl']:.5f}  share {v['share']:.1%}  "
+                      f"token-layers {v['token_layers']:.1%}")
 
 
 if __name__ == "__main__":

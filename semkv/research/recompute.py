@@ -20,6 +20,9 @@ strategy adds:
 - ``query`` / ``first_k_query``: the prompt's tail after its last reused token (the question)
   runs over the assembled cache; the reused tokens its last ``query_tokens`` queries attend
   to most are recomputed from layer 0 (ProphetKV-like; ``semkv.realize.query``).
+- ``progressive`` (measurement only, research only): per-layer selection as CacheBlend's
+  gradual filtering: the copied tokens still selected are re-ranked at every layer by that
+  layer's deviation, a shrinking nested set (``_progressive``).
 - ``full``: a full prefill, no reuse: the reference.
 - ``oracle`` (measurement only, research only): the reused tokens ranked by their TRUE
   deviation from the cold KV (a full prefill's), summed over every layer, the top ``ratio``
@@ -74,6 +77,7 @@ class StrategyKind(str, Enum):
     FIRST_K_QUERY = "first_k_query"
     FULL = "full"
     ORACLE = "oracle"
+    PROGRESSIVE = "progressive"
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,12 @@ class Strategy:
             raise ValueError("oracle needs 0 <= ratio <= 1")
         return cls(StrategyKind.ORACLE, ratio=ratio)
 
+    @classmethod
+    def progressive(cls, ratio: float, probe_layers: int = DEFAULT_PROBE_LAYERS) -> Strategy:
+        if not 0.0 <= ratio <= 1.0 or probe_layers < 1:
+            raise ValueError("progressive needs 0 <= ratio <= 1 and probe_layers >= 1")
+        return cls(StrategyKind.PROGRESSIVE, ratio=ratio, probe_layers=probe_layers)
+
     @property
     def name(self) -> str:
         if self.kind is StrategyKind.FIRST_K:
@@ -145,6 +155,8 @@ class Strategy:
             return f"first{self.first_k}+query{round(self.ratio * 100)}"
         if self.kind is StrategyKind.ORACLE:
             return f"oracle{round(self.ratio * 100)}"
+        if self.kind is StrategyKind.PROGRESSIVE:
+            return f"progressive{round(self.ratio * 100)}"
         return str(self.kind.value)
 
 
@@ -180,7 +192,7 @@ class PrefillResult:
 
 def shared(strategy: Strategy) -> RecomputeStrategy:
     """The engine-shared strategy (``semkv.realize.recompute``) for a research strategy."""
-    if strategy.kind in (StrategyKind.FULL, StrategyKind.ORACLE):
+    if strategy.kind in (StrategyKind.FULL, StrategyKind.ORACLE, StrategyKind.PROGRESSIVE):
         raise ValueError(f"{strategy.kind.value} is research's own, not a shared strategy")
     return RecomputeStrategy(RecomputeKind(strategy.kind.value), fraction=strategy.ratio,
                              first_k=max(1, strategy.first_k),
@@ -207,6 +219,8 @@ def prefill(
     cache = assemble(plan, store, lm, capacity=capacity, rotate=rotate)
     if strategy.kind is StrategyKind.ORACLE:
         return _oracle(lm, target, plan, cache, strategy, capacity)
+    if strategy.kind is StrategyKind.PROGRESSIVE:
+        return _progressive(lm, target, plan, cache, strategy)
     # The selection and layered execution are the engine's own (semkv.realize.recompute): every
     # position is realized here, the plan's segments are the copied runs, n the prompt tokens.
     done = recompute(lm, cache, range(n), runs(plan), dict(enumerate(target)), shared(strategy),
@@ -268,3 +282,71 @@ def _oracle(lm: LayerRunner, target: Sequence[int], plan: ReusePlan, cache: KVCa
                      RecomputeStrategy(), n)
     assert done.hidden is not None
     return PrefillResult(cache, lm.logits(done.hidden[:, -1:])[-1], n, done.passes)
+
+
+def progressive_sizes(budget_tokens: int, copied: int, layers: int) -> list[int]:
+    """``progressive``'s copied positions recomputed per layer after the probe: from twice the
+    budget down to the budget, linearly (capped at the copied positions); the budget at every
+    layer when there is one layer."""
+    if layers <= 0:
+        return []
+    first = min(copied, 2 * budget_tokens)
+    if layers == 1:
+        return [min(copied, budget_tokens)]
+    return [min(copied, round(first + (budget_tokens - first) * i / (layers - 1)))
+            for i in range(layers)]
+
+
+def _progressive(lm: LayerRunner, target: Sequence[int], plan: ReusePlan, cache: KVCache,
+                 strategy: Strategy) -> PrefillResult:
+    """``progressive`` (measurement only): per-layer selection as CacheBlend's gradual filtering.
+
+    The probe layers run for every position (as ``blend``); the copied positions are ranked by
+    the probe's deviation and the top ``progressive_sizes[0]`` continue into the next layer;
+    at each later layer the ones still selected are ranked again by that layer's own deviation
+    of their reused KV from their fresh KV, and the top ``progressive_sizes[i]`` go on (each
+    set inside the last: a token can only continue from a hidden state it has). Gaps run
+    through every layer. A copied position that drops out keeps fresh KV in the layers it ran
+    and its reused KV above. The budget (``ratio`` of the prompt, as blend's) is what reaches
+    the last layer; twice it enters the first: the share to compare is ``recompute_fraction``
+    (token-layers). Not a served strategy: measured against the others (docs/frontier.md).
+    """
+    n = len(target)
+    tokens = dict(enumerate(target))
+    copied = copied_positions(runs(plan))
+    is_copied = set(copied)
+    gaps = [p for p in range(n) if p not in is_copied]
+    probe = min(strategy.probe_layers, lm.num_layers)
+    old_k = [cache.keys[i][0, :, :n].clone() for i in range(probe)]
+    old_v = [cache.values[i][0, :, :n].clone() for i in range(probe)]
+    with torch.no_grad():
+        hidden = lm.run_layers(cache, lm.embed([tokens[p] for p in range(n)]),
+                               torch.arange(n), range(probe))
+    passes: list[tuple[range, list[int]]] = [(range(probe), list(range(n)))]
+    score = deviation(cache, old_k, old_v, 0, n)
+    del old_k, old_v
+    take = budget(RecomputeStrategy(fraction=strategy.ratio), n, len(copied))
+    sizes = progressive_sizes(take, len(copied), lm.num_layers - probe)
+    kept = rank(score, 0, copied, sizes[0]) if sizes else []
+    at = sorted(set(gaps) | set(kept))
+    hidden = hidden[:, at]
+    for i, layer in enumerate(range(probe, lm.num_layers)):
+        index = torch.tensor(kept, dtype=torch.long)
+        before_k = cache.keys[layer][0][:, index].clone()
+        before_v = cache.values[layer][0][:, index].clone()
+        with torch.no_grad():
+            hidden = lm.run_layers(cache, hidden, torch.tensor(at), range(layer, layer + 1))
+        passes.append((range(layer, layer + 1), list(at)))
+        if i + 1 == len(sizes):
+            break
+        fk, fv = cache.keys[layer][0][:, index], cache.values[layer][0][:, index]
+        diff = ((fk - before_k) ** 2).sum(dim=(0, 2)) + ((fv - before_v) ** 2).sum(dim=(0, 2))
+        norm = (fk ** 2).sum(dim=(0, 2)) + (fv ** 2).sum(dim=(0, 2))
+        layer_score = torch.zeros(n, dtype=torch.float32)
+        layer_score[index] = (diff / norm.clamp_min(1e-12)).to(torch.float32)
+        kept = rank(layer_score, 0, kept, sizes[i + 1])
+        nxt = sorted(set(gaps) | set(kept))
+        where = {p: j for j, p in enumerate(at)}
+        hidden = hidden[:, [where[p] for p in nxt]]
+        at = nxt
+    return PrefillResult(cache, lm.logits(hidden[:, -1:])[-1], n, passes)

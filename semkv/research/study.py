@@ -65,7 +65,7 @@ DISCOVERY_FIELDS = ("proposed", "discovered_correct", "false_positive")
 
 def strategy_from_name(name: str) -> Strategy:
     """The strategy ``Strategy.name`` gives this name: none, full, first<k>, blend<percent>,
-    oracle<percent>."""
+    oracle<percent>, progressive<percent>."""
     if name in (StrategyKind.NONE.value, StrategyKind.FULL.value):
         return Strategy(StrategyKind(name))
     number = name.lstrip("abcdefghijklmnopqrstuvwxyz")
@@ -75,6 +75,8 @@ def strategy_from_name(name: str) -> Strategy:
         return Strategy.blend(int(number) / 100)
     if number.isdigit() and name == f"oracle{number}":
         return Strategy.oracle(int(number) / 100)
+    if number.isdigit() and name == f"progressive{number}":
+        return Strategy.progressive(int(number) / 100)
     if number.isdigit() and name == f"query{number}":
         return Strategy.query(int(number) / 100)
     halo, _, rest = name.partition("+")
@@ -87,7 +89,7 @@ def strategy_from_name(name: str) -> Strategy:
             return Strategy.first_k_query(int(k), inner.ratio)
     raise ValueError(f"unknown strategy {name!r} (none, full, first<k>, blend<percent>, "
                      "query<percent>, first<k>+blend<percent>, first<k>+query<percent>, "
-                     "oracle<percent>)")
+                     "oracle<percent>, progressive<percent>)")
 
 
 @dataclass(frozen=True)
