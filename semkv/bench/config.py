@@ -94,7 +94,11 @@ ARMS: dict[str, Arm] = {
 COLD, FLOOR = "cold", "fp8_floor"
 STRATEGIES: dict[str, dict[str, Any]] = {
     "realized:none": {"strategy": "none"},
+    "realized:first_k4": {"strategy": "first_k", "first_k": 4},  # halo sizes (issue #25)
+    "realized:first_k8": {"strategy": "first_k", "first_k": 8},
     "realized:first_k16": {"strategy": "first_k", "first_k": 16},
+    "realized:first_k32": {"strategy": "first_k", "first_k": 32},
+    "realized:first_k64": {"strategy": "first_k", "first_k": 64},
     "realized:blend15": {"strategy": "blend", "fraction": 0.15},
     "realized:blend30": {"strategy": "blend", "fraction": 0.30},
     "realized:first_k16+blend15": {"strategy": "first_k_blend", "first_k": 16,
