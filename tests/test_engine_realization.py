@@ -311,6 +311,29 @@ def serve(llm: Any, recorder: Recorder, donors: list[str], target: str,
             "delta": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}}
 
 
+def diagnose(llm: Any, realized: Any) -> str:
+    """Why a realized request's answer differs from cold (read when the assertion fails): do
+    its blocks still hold the KV the worker wrote, and is any layer's paged KV non-finite?"""
+    model = llm.apply_model(lambda m: m)[0]
+    first = model.model.layers[0].self_attn.attn
+    layout = PageLayout.probe(backend_writer(first), tuple(first.kv_cache.shape[1:]),
+                              first.kv_cache.dtype, first.kv_cache.device)
+    op, cache = realized.op, realized.cache
+    lo, hi = op.local_tokens, op.span_tokens
+    index = torch.tensor(op.block_ids, dtype=torch.long)
+    drift, nonfinite = [], []
+    for i, layer in enumerate(model.model.layers):
+        kv = layer.self_attn.attn.kv_cache
+        if not bool(torch.isfinite(kv).all()):
+            nonfinite.append(i)
+        if layout is not None:
+            k, _ = layout.read(kv[index])
+            drift.append(float((k - cache.keys[i][0, :, lo:hi].transpose(0, 1)).abs().max()))
+    return (f"blocks {op.block_ids[:3]}... ({len(op.block_ids)}); max |K in blocks - K written| "
+            f"per layer (first 6) {[round(d, 5) for d in drift[:6]]}, max {max(drift or [0]):.5f}"
+            f"; layers with non-finite paged KV {nonfinite}")
+
+
 def copied(plan: SpanPlan) -> list[int]:
     return [p for s in plan.segments if not s.is_gap for p in range(s.target_start, s.end)]
 
@@ -335,7 +358,8 @@ def test_a_selection_recomputing_every_copied_token_equals_cold(llm, recorder, k
     assert s["span"]["recomputed"] == plan.copied_tokens  # and the request's own summary
     print(f"\n{kind}: {selection.value} 1.0 recomputed {plan.copied_tokens} copied tokens "
           f"({plan.summary()}), realized in {out['realized'].seconds:.2f} s")
-    assert out["warm"].outputs[0].token_ids == out["cold"].outputs[0].token_ids
+    assert out["warm"].outputs[0].token_ids == out["cold"].outputs[0].token_ids, \
+        diagnose(llm, out["realized"])
 
 
 @pytest.fixture(scope="module")
