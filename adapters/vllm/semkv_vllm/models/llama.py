@@ -51,10 +51,9 @@ class ShiftRotator:
 
     def __init__(self, shift: RopeShift) -> None:
         self.shift = shift
-        # The last deltas rotated by (with its in-place version) and their factors: a
-        # realization rotates every layer's keys by one deltas tensor. NOTE: held here, so its
-        # identity cannot be reused; an in-place edit bumps the version.
-        self._last: tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        # The last deltas rotated by (a copy) and their factors: a realization rotates every
+        # layer's keys by the same deltas, so the factors are computed once per realization.
+        self._last: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def rotate(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         """``keys`` [..., T, head_dim] (post-RoPE) moved by ``deltas`` [T] positions."""
@@ -64,9 +63,9 @@ class ShiftRotator:
         # RopeShift's tables live on the CPU (built once from the engine's rotary cache).
         on_cpu = deltas.to(torch.long).cpu()
         last = self._last
-        if last is None or last[0] is not deltas or last[1] != deltas._version:
-            last = self._last = (deltas, deltas._version, self.shift.factors(on_cpu))
-        out = self.shift.rotate(flat.cpu(), on_cpu, last[2]).to(keys.device)
+        if last is None or not torch.equal(last[0], on_cpu):  # [T] longs: cheap beside a layer
+            last = self._last = (on_cpu.clone(), self.shift.factors(on_cpu))
+        out = self.shift.rotate(flat.cpu(), on_cpu, last[1]).to(keys.device)
         return out.reshape(moved.shape).movedim(0, -2)
 
 
