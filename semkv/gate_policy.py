@@ -17,7 +17,9 @@ The connector's ``gate_policy`` key picks it:
 - ``ungated``: every class served with the engine's strategy (measurement only: what
   ``semkv calibrate`` and the frontier bench run).
 
-NOTE: a class a policy does not list is not served. A served class needs a strategy.
+NOTE: a class a policy does not list is not served. A served class needs a strategy; its
+``min_prompt_tokens`` (default 0) refuses the class's plans on shorter prompts, where it was
+not certified.
 """
 
 from __future__ import annotations
@@ -69,8 +71,15 @@ class Measured(_Strict):
 class ClassRule(_Strict):
     served: StrictBool
     strategy: RecomputeOverride | None = None
+    # Served only for prompts of at least this many tokens: the lengths it was certified at
+    # (a class can reach the floor at 4K and not at 1K). 0: at any length.
+    min_prompt_tokens: int = Field(default=0, ge=0)
     measured: Measured | None = None
     reason: str = ""
+
+    def serves(self, prompt_tokens: int) -> bool:
+        """Is a plan of this class served for a prompt of ``prompt_tokens``?"""
+        return self.served and prompt_tokens >= self.min_prompt_tokens
 
     @model_validator(mode="after")
     def _served_needs_strategy(self) -> ClassRule:

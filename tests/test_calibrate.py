@@ -135,7 +135,7 @@ def test_the_written_policy_round_trips_and_applies_to_its_model_only(tmp_path: 
     gate = ClassGate.from_config(SemkvConfig.load({"gate_policy": str(path)}), ME)
     engine = RecomputeStrategy()
     for cls in PlanClass:
-        decided = gate.strategy(cls, engine)
+        decided = gate.strategy(cls, engine, 1024)
         assert (decided is not FallbackReason.UNCERTIFIED_CLASS) == policy.classes[cls].served
     for field, other in (("model.digest", ModelIdentity("f" * 32, ME.architecture, "float32",
                                                         "auto")),

@@ -82,9 +82,10 @@ def test_calibration_certifies_what_the_frontier_does(bundled: dict[str, Any]) -
     assert policy.model.digest == shipped.model.digest == identity.digest
     gate = ClassGate.from_config(SemkvConfig.load({"gate_policy": str(path)}), identity)
     engine = RecomputeStrategy()
-    decided = {c: gate.strategy(c, engine) is not FallbackReason.UNCERTIFIED_CLASS
+    # at the length calibrate measured (1,024 tokens), as the shipped policy decides there
+    decided = {c: gate.strategy(c, engine, 1024) is not FallbackReason.UNCERTIFIED_CLASS
                for c in PlanClass}
-    assert decided == {c: shipped.classes[c].served for c in PlanClass}, bundled["stdout"]
+    assert decided == {c: shipped.classes[c].serves(1024) for c in PlanClass}, bundled["stdout"]
     served = policy.classes[PlanClass.ONE_DONOR_IN_ORDER]
     assert served.measured is not None and served.measured.samples >= 6, served
     for cls in (PlanClass.ONE_DONOR_REORDERED, PlanClass.MULTI_DONOR):

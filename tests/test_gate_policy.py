@@ -146,19 +146,42 @@ def test_auto_without_a_shipped_policy_serves_no_class(tmp_path: Path, bundled_i
     assert gate.policy is None and "ships no gate policy" in gate.source
     engine = RecomputeStrategy()
     for cls in PlanClass:
-        assert gate.strategy(cls, engine) is FallbackReason.UNCERTIFIED_CLASS
+        assert gate.strategy(cls, engine, 4096) is FallbackReason.UNCERTIFIED_CLASS
 
 
 def test_the_class_gate_lays_the_classes_strategy_over_the_engines(bundled_identity) -> None:  # noqa: ANN001
     gate = ClassGate.from_config(SemkvConfig.load({}), bundled_identity)
     engine = RecomputeStrategy(RecomputeKind.BLEND, fraction=0.3, first_k=4, probe_layers=3)
-    served = gate.strategy(PlanClass.ONE_DONOR_IN_ORDER, engine)
-    assert served == RecomputeStrategy(RecomputeKind.FIRST_K_BLEND, fraction=0.15, first_k=16,
-                                       probe_layers=3)
-    for cls in (PlanClass.MULTI_DONOR, PlanClass.ONE_DONOR_REORDERED, PlanClass.GAP_DOMINATED):
-        assert gate.strategy(cls, engine) is FallbackReason.UNCERTIFIED_CLASS
+    for tokens in (300, 1024, 4096):
+        served = gate.strategy(PlanClass.ONE_DONOR_IN_ORDER, engine, tokens)
+        assert served == RecomputeStrategy(RecomputeKind.FIRST_K_BLEND, fraction=0.15,
+                                           first_k=16, probe_layers=3)
+    for cls in (PlanClass.MULTI_DONOR, PlanClass.GAP_DOMINATED):
+        assert gate.strategy(cls, engine, 4096) is FallbackReason.UNCERTIFIED_CLASS
     ungated = ClassGate.from_config(SemkvConfig.load({"gate_policy": "ungated"}), None)
-    assert all(ungated.strategy(c, engine) == engine for c in PlanClass)
+    assert all(ungated.strategy(c, engine, 100) == engine for c in PlanClass)
+
+
+def test_a_class_certified_from_a_prompt_length_is_refused_below_it(
+        tmp_path: Path, policy_data: dict, bundled_identity) -> None:  # noqa: ANN001
+    """``min_prompt_tokens``: reordered chunks reach the floor at 4K, not at 1K (docs/frontier.md):
+    a rule can serve a class only where it was certified."""
+    rule = {"served": True, "strategy": {"strategy": "query", "fraction": 0.15},
+            "min_prompt_tokens": 3561}
+    data = {**policy_data, "classes": {**policy_data["classes"], "one_donor_reordered": rule}}
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps(data))
+    gate = ClassGate.from_config(SemkvConfig.load({"gate_policy": str(path)}), bundled_identity)
+    engine = RecomputeStrategy()
+    cls = PlanClass.ONE_DONOR_REORDERED
+    assert gate.strategy(cls, engine, 3560) is FallbackReason.UNCERTIFIED_CLASS
+    assert not gate.served(cls, 1024) and gate.served(cls, 3561)
+    assert gate.strategy(cls, engine, 3561) == RecomputeStrategy(RecomputeKind.QUERY,
+                                                                 fraction=0.15)
+    bad = {**data, "classes": {"one_donor_reordered": {**rule, "min_prompt_tokens": -1}}}
+    path.write_text(json.dumps(bad))
+    with pytest.raises(PolicyError, match="min_prompt_tokens"):
+        read_policy(path)
 
 
 def test_the_default_config_serves_the_verified_tier_only() -> None:

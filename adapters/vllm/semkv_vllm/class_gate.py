@@ -4,9 +4,11 @@ Built once by the connector's scheduler side from the ``gate_policy`` key
 (``semkv.gate_policy.resolve_policy``) and the engine's model identity: the model folder vLLM
 loads (a Hugging Face id resolves to its local snapshot), the dtype and the KV-cache dtype.
 
-``ClassGate.strategy(cls, engine)`` is what ``SpanAdmission.plan`` asks for each plan:
+``ClassGate.strategy(cls, engine, prompt_tokens)`` is what ``SpanAdmission.plan`` asks for each
+plan:
 
-- the policy serves ``cls``: the engine's strategy with the class's strategy laid over it;
+- the policy serves ``cls`` at this prompt length (``min_prompt_tokens``): the engine's strategy
+  with the class's strategy laid over it;
 - it does not, or there is no policy for this model: ``uncertified_class`` (counted by the
   caller, ``realize_refused{reason=class}``);
 - ``gate_policy: ungated``: the engine's strategy, every class.
@@ -85,15 +87,16 @@ class ClassGate:
         ungated = config.gate_policy == UNGATED
         return cls.from_config(config, None if ungated else engine_identity(vllm_config))
 
-    def served(self, cls: PlanClass) -> bool:
-        return self.ungated or bool(self.policy and (r := self.policy.rule(cls)) and r.served)
+    def served(self, cls: PlanClass, prompt_tokens: int) -> bool:
+        return self.ungated or bool(self.policy and (r := self.policy.rule(cls))
+                                    and r.serves(prompt_tokens))
 
-    def strategy(self, cls: PlanClass, engine: RecomputeStrategy,
+    def strategy(self, cls: PlanClass, engine: RecomputeStrategy, prompt_tokens: int,
                  ) -> RecomputeStrategy | FallbackReason:
         if self.ungated:
             return engine
         rule = self.policy.rule(cls) if self.policy is not None else None
-        if rule is None or not rule.served or rule.strategy is None:
+        if rule is None or not rule.serves(prompt_tokens) or rule.strategy is None:
             return FallbackReason.UNCERTIFIED_CLASS
         fields = rule.strategy.model_dump(exclude_none=True)
         fields["kind"] = fields.pop("strategy")

@@ -144,10 +144,10 @@ class CostGate(Protocol):
 class ClassGate(Protocol):
     """The gate policy by plan class (``class_gate.py``): the strategy a class is served with."""
 
-    def strategy(self, cls: PlanClass, engine: RecomputeStrategy,
+    def strategy(self, cls: PlanClass, engine: RecomputeStrategy, prompt_tokens: int,
                  ) -> RecomputeStrategy | FallbackReason: ...
 
-    def served(self, cls: PlanClass) -> bool: ...
+    def served(self, cls: PlanClass, prompt_tokens: int) -> bool: ...
 
 
 class SpanAdmission:
@@ -196,7 +196,7 @@ class SpanAdmission:
             return FallbackReason.EXACT_PREFIX_SUFFICIENT  # the exact match serves as much
         cls = plan_class(plan)
         if self.classes is not None:
-            gated = self.classes.strategy(cls, recompute)
+            gated = self.classes.strategy(cls, recompute, len(target))
             if isinstance(gated, FallbackReason):
                 self._refused("class", cls)
                 return gated

@@ -96,7 +96,8 @@ class SpanDecision:
                           block_size=side.bs, min_copied_tokens=least) if donors else None)
         if plan is not None:
             cls = plan_class(plan)
-            side.stats.inc("would_realize_spans" if side.class_gate.served(cls)
+            served = side.class_gate.served(cls, len(st.request.all_token_ids))
+            side.stats.inc("would_realize_spans" if served
                            else "would_refuse_spans", cls.value)
 
     def span_view(self, donor_id: str) -> DonorView | None:
