@@ -3,8 +3,9 @@
 One engine, ``materialize_semantic`` with nothing else about reuse set: the verified tier,
 realized spans and ``gate_policy: auto`` are the defaults, so the policy semkv ships for the
 bundled model decides (``semkv/policies/``: ``one_donor_in_order`` served with ``first_k_blend``,
-every other class refused). The engine's own ``recompute_strategy`` is ``none``: a served span
-that recomputes tokens shows the policy's strategy, not the engine's, was used.
+``one_donor_reordered`` with ``query`` from 3,561 prompt tokens, every other class refused).
+The engine's own ``recompute_strategy`` is ``none``: a served span that recomputes tokens shows
+the policy's strategy, not the engine's, was used.
 
 Per bundled workload kind (``semkv.eval``: cross-instruction, reordered chunks, multi-passage
 RAG) and a document quoting a donor's section among new text, the donors are served and
@@ -89,6 +90,12 @@ def runs(llm: Any, workload: Workload) -> dict[str, tuple[Any, Any]]:
     donor = wl.ids[_target(wl, "cross_instruction")]
     fresh = wl.ids[_target(wl, "reordered_chunks")]
     out["quoted_section"] = _serve(llm, [donor], [*fresh[:600], *donor[200:520], *fresh[600:700]])
+    # reordered chunks at the length their class is certified from (~4K tokens)
+    config = BenchConfig(preset="gates", arms=(), clusters_per_type=1, target_tokens=3800,
+                         kinds=("reordered_chunks",), max_tokens=TOKENS, concurrency=1)
+    long = load_workload(config)
+    t = _target(long, "reordered_chunks")
+    out["reordered_long"] = _serve(llm, [long.ids[d] for d in donors_of(long, t)], long.ids[t])
     out["metrics"] = semkv_metrics(llm)
     return out
 
@@ -118,6 +125,18 @@ def test_an_uncertified_class_is_refused_typed_and_answers_as_cold(
     assert sent.output == cold.output  # vLLM's own prefill served it
 
 
+def test_reordered_chunks_from_the_certified_length_are_served_with_query(runs) -> None:  # noqa: ANN001
+    """The 768-token reordered target above is refused; one of ~4K tokens (at least the 3,561
+    the class is certified from) is served with the policy's query-aware strategy."""
+    cold, sent = runs["reordered_long"]
+    s = sent.summary
+    assert cold.prompt_tokens >= 3561, cold.prompt_tokens
+    assert s["provenance"] == "request_only_semantic_reuse", s
+    assert s["span"]["class"] == "one_donor_reordered" and s["span_refused"] is None
+    # the engine's strategy is none: query15 recomputed 15 % of the prompt's tokens
+    assert s["span"]["recomputed"] == round(0.15 * cold.prompt_tokens), s["span"]
+
+
 def test_every_refusal_is_counted_by_reason_and_class(runs) -> None:  # noqa: ANN001
     m = runs["metrics"]
     assert m.get("vllm:semkv_realize_refused:class", 0) >= 3
@@ -126,6 +145,7 @@ def test_every_refusal_is_counted_by_reason_and_class(runs) -> None:  # noqa: AN
         assert m.get(f"vllm:semkv_span_refused:{cls}", 0) >= 1, (cls, m)
     assert m.get("vllm:semkv_realized_spans:one_donor_in_order", 0) >= 1
     assert m.get("vllm:semkv_span_refused:one_donor_in_order", 0) == 0
+    assert m.get("vllm:semkv_realized_spans:one_donor_reordered", 0) >= 1
 
 
 def test_a_policy_of_another_model_stops_start_up_naming_file_and_field(
