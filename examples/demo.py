@@ -9,7 +9,8 @@ The default is the recommended production setting: ``materialize_semantic`` (the
 plus realized spans of the classes the bundled model's shipped gate policy certifies), MinHash
 discovery, the commit-policy scheduler. Cross-instruction targets (another system prompt before
 the same document) are served from realized spans; a target that reads the donor's paragraphs
-in another order (class ``one_donor_reordered``, not certified) is refused with its reason.
+in another order (class ``one_donor_reordered``, certified only on prompts of 3,561 tokens or
+more; these are ~600) is refused with its reason.
 
     make demo                      # materialize_semantic, minhash
     make demo DEMO_ARGS="--mode materialize_exact --provider chunks"
