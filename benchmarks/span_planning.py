@@ -277,7 +277,8 @@ def profile(side: Scheduler, reqs: list[tuple[Any, list[Any]]], reps: int) -> No
     for i in range(reps):
         plan_once(side, *reqs[i % len(reqs)])
     prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    top = int(os.environ.get("TOP", "25"))  # SORT=cumulative TOP=40: the call tree's view
+    pstats.Stats(prof).sort_stats(os.environ.get("SORT", "tottime")).print_stats(top)
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -25,6 +26,19 @@ Tokens = Sequence[int] | npt.NDArray[np.int64]
 _SKETCH_BITS = 1 << 16  # 8 KB: ~6 % false positives for a 4K-token donor's keys
 
 
+class SketchSlots(NamedTuple):
+    """Where each key's bit sits in any index's sketch: its byte and the bit's mask. A target's
+    keys are read against up to 16 donors' sketches, so their slots are computed once."""
+
+    byte: npt.NDArray[np.int64]
+    mask: npt.NDArray[np.uint8]
+
+    @classmethod
+    def of(cls, keys: npt.NDArray[np.int64]) -> SketchSlots:
+        low = keys & (_SKETCH_BITS - 1)
+        return cls(low >> 3, (1 << (low & 7)).astype(np.uint8))
+
+
 class AnchorIndex:
     """A donor's distinct k-gram keys (``semkv.span_map.gram_keys``), sorted, each with the donor
     position where it first occurs: 16 bytes per distinct k-gram (64 KB per 4K-token donor),
@@ -33,7 +47,7 @@ class AnchorIndex:
 
     NOTE: most candidates of a request share only its template with it (a few dozen k-grams):
     the sketch answers "certainly not here" for ~94 % of a target's other keys, so only the
-    rest are searched (``lookup_sorted``)."""
+    rest are searched (``find``)."""
 
     __slots__ = ("keys", "first", "sketch")
 
@@ -41,13 +55,14 @@ class AnchorIndex:
         """``keys`` sorted and distinct, ``first[i]`` the first donor position of ``keys[i]``."""
         self.keys, self.first = keys, first
         self.sketch = np.zeros(_SKETCH_BITS // 8, np.uint8)
-        low = keys & (_SKETCH_BITS - 1)
-        np.bitwise_or.at(self.sketch, low >> 3, (1 << (low & 7)).astype(np.uint8))
+        np.bitwise_or.at(self.sketch, *SketchSlots.of(keys))
 
-    def may_hold(self, grams: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
-        """Per key: False where the index certainly lacks it (the sketch's bit is clear)."""
-        low = grams & (_SKETCH_BITS - 1)
-        bits: npt.NDArray[np.bool_] = (self.sketch[low >> 3] >> (low & 7).astype(np.uint8)) & 1 == 1
+    def may_hold(self, grams: npt.NDArray[np.int64],
+                 slots: SketchSlots | None = None) -> npt.NDArray[np.bool_]:
+        """Per key: False where the index certainly lacks it (the sketch's bit is clear).
+        ``slots``: ``SketchSlots.of(grams)``, when the caller holds them."""
+        byte, mask = slots if slots is not None else SketchSlots.of(grams)
+        bits: npt.NDArray[np.bool_] = (self.sketch[byte] & mask) != 0
         return bits
 
     def __len__(self) -> int:
@@ -64,32 +79,30 @@ class AnchorIndex:
         return int(self.keys.nbytes + self.first.nbytes + self.sketch.nbytes)
 
     def lookup(self, grams: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        """Per key of ``grams`` (any order): the first donor position of that key, or -1.
-
-        NOTE: numpy's binary search is about 2.5x faster over sorted queries: a caller that
-        looks up the same keys in many indexes sorts them once (``lookup_sorted``)."""
+        """Per key of ``grams`` (any order): the first donor position of that key, or -1."""
         if not len(self.keys) or not len(grams):
             return np.full(len(grams), -1, np.int64)
         at = np.searchsorted(self.keys, grams)
         np.minimum(at, len(self.keys) - 1, out=at)
         return np.where(self.keys[at] == grams, self.first[at], -1)
 
-    def holds_any(self, grams: npt.NDArray[np.int64]) -> bool:
-        """Is any key of ``grams`` in the index?"""
-        grams = grams[self.may_hold(grams)]
+    def holds_any(self, grams: npt.NDArray[np.int64], slots: SketchSlots | None = None) -> bool:
+        """Is any key of ``grams`` in the index? (``slots``: as for ``may_hold``)"""
+        grams = grams[self.may_hold(grams, slots)]
         if not len(self.keys) or not len(grams):
             return False
         at = np.searchsorted(self.keys, grams)
         np.minimum(at, len(self.keys) - 1, out=at)
         return bool((self.keys[at] == grams).any())
 
-    def lookup_sorted(self, unique: npt.NDArray[np.int64],
-                      inverse: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        """``lookup(unique[inverse])`` for ``unique`` sorted and distinct (``np.unique``)."""
-        maybe = self.may_hold(unique)
-        found = np.full(len(unique), -1, np.int64)
-        found[maybe] = self.lookup(unique[maybe])
-        return found[inverse]
+    def find(self, grams: npt.NDArray[np.int64],
+             slots: SketchSlots | None = None) -> npt.NDArray[np.int64]:
+        """``lookup(grams)``, searching only the keys the sketch may hold (``slots``: as for
+        ``may_hold``)."""
+        at = np.flatnonzero(self.may_hold(grams, slots))
+        found = np.full(len(grams), -1, np.int64)
+        found[at] = self.lookup(grams[at])
+        return found
 
     @classmethod
     def empty(cls) -> AnchorIndex:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from semkv.anchor_cache import ANCHOR_CACHE, AnchorIndex
+from semkv.anchor_cache import ANCHOR_CACHE, AnchorIndex, SketchSlots
 from semkv.types import QualityTier
 
 DEFAULT_ANCHOR_TOKENS = 8
@@ -175,7 +175,7 @@ def _walk(target: Sequence[int] | Ints, donor: Sequence[int] | Ints, start: int,
                     break
                 p, window = e, window * 4
             if p > begin:
-                runs.append((begin, begin + d, p - begin))
+                _add_run(runs, begin, begin + d, p - begin)
             q = p + d
             if p == stop:
                 continue  # the end, or the donor's end: the next position decides
@@ -184,7 +184,7 @@ def _walk(target: Sequence[int] | Ints, donor: Sequence[int] | Ints, start: int,
             at[p - start], has[p - start] = -1, False  # a key collision, not an anchor
             continue
         if jump >= 0:
-            runs.append((p, jump, 1))
+            _add_run(runs, p, jump, 1)
             p, q, on = p + 1, jump + 1, True
             continue
         if resume_with is None:
@@ -194,13 +194,30 @@ def _walk(target: Sequence[int] | Ints, donor: Sequence[int] | Ints, start: int,
     n = stopped - start
     sources = np.full(n, -1 if resume_with is None else resume_with, np.int64)
     same = np.zeros(n, np.bool_)
-    if runs:
+    if len(runs) <= _FEW_RUNS:  # slices beat index arrays for a few long runs
+        for a, b, m in runs:
+            sources[a - start: a - start + m] = np.arange(b, b + m)
+            np.equal(t[a: a + m], dn[b: b + m], out=same[a - start: a - start + m])
+    else:
         tp, dp, ln = (np.array(c, dtype=np.int64) for c in zip(*runs, strict=True))
         offsets = np.arange(int(ln.sum())) - np.repeat(np.cumsum(ln) - ln, ln)
         where = np.repeat(tp - start, ln) + offsets
         sources[where] = np.repeat(dp, ln) + offsets
         same[where] = t[where + start] == dn[sources[where]]
     return sources, same
+
+
+_FEW_RUNS = 16
+
+
+def _add_run(runs: list[tuple[int, int, int]], tp: int, dp: int, length: int) -> None:
+    """Append a run, or extend the last one when this one continues it on its diagonal."""
+    if runs:
+        lt, ld, ll = runs[-1]
+        if lt + ll == tp and ld + ll == dp:
+            runs[-1] = (lt, ld, ll + length)
+            return
+    runs.append((tp, dp, length))
 
 
 ANCHOR_STRIDE = 16  # shares_anchor: every 16th target k-gram is looked up
@@ -214,31 +231,31 @@ def shares_anchor(anchors: AnchorIndex, grams: Ints | TargetGrams) -> bool:
     wherever it lies; a donor that shares none is not worth mapping for identical-token plans
     (at most a few short runs), and most of 16 candidates share none: skipping their look-ups
     and walks is most of planning's time (issue #25)."""
-    sampled = grams.sampled if isinstance(grams, TargetGrams) else grams[::ANCHOR_STRIDE]
-    return anchors.holds_any(sampled)
+    if isinstance(grams, TargetGrams):
+        return anchors.holds_any(grams.sampled, grams.sampled_slots)
+    return anchors.holds_any(grams[::ANCHOR_STRIDE])
 
 
 @dataclass(frozen=True)
 class TargetGrams:
-    """A target's k-gram keys from position 0 (``gram_keys``), with their distinct keys sorted
-    (``np.unique``): looked up in every candidate donor's index, sorted keys search 2.5-4x
-    faster (``AnchorIndex.lookup_sorted``), and the sort is paid once per target."""
+    """A target's k-gram keys from position 0 (``gram_keys``) and the keys ``shares_anchor``
+    samples, each with their sketch slots: computed once per target, read against every
+    candidate donor's index (its sketch skips most keys, the rest are searched)."""
 
     keys: Ints
-    unique: Ints
-    inverse: Ints
-    sampled: Ints  # the keys ``shares_anchor`` samples, sorted
+    slots: SketchSlots
+    sampled: Ints
+    sampled_slots: SketchSlots
 
     @classmethod
     def of(cls, target: Sequence[int] | Ints, k: int) -> TargetGrams:
         keys = gram_keys(target, 0, len(target), k)
-        unique, inverse = np.unique(keys, return_inverse=True)
-        return cls(keys, unique, inverse.astype(np.int64).reshape(-1),
-                   np.sort(keys[::ANCHOR_STRIDE]))
+        sampled = keys[::ANCHOR_STRIDE]
+        return cls(keys, SketchSlots.of(keys), sampled, SketchSlots.of(sampled))
 
     def hits(self, anchors: AnchorIndex, n: int) -> Ints:
         """Per target position in ``[0, n)``: the donor position of its anchor, or -1."""
-        found = anchors.lookup_sorted(self.unique, self.inverse)[:n]
+        found = anchors.find(self.keys, self.slots)[:n]
         return np.concatenate([found, np.full(n - len(found), -1, np.int64)]) \
             if len(found) < n else found
 

@@ -204,17 +204,20 @@ def _best_donor_per_chunk(n: int, maps: list[tuple[Ints, Bools]], chunk_tokens: 
     per position its index in ``maps`` (-1 where it maps nothing), position and identity."""
     if not maps:
         return np.full(n, -1, np.int64), np.full(n, NO_SOURCE, np.int64), np.zeros(n, np.bool_)
-    sources = np.stack([m[0] for m in maps])
-    same = np.stack([m[1] for m in maps])
     chunks = -(-n // chunk_tokens)
-    padded = np.zeros((len(maps), chunks * chunk_tokens), np.int64)
-    padded[:, :n] = same
-    best = padded.reshape(len(maps), chunks, chunk_tokens).sum(axis=2).argmax(axis=0)
+    same = np.zeros((len(maps), chunks * chunk_tokens), np.bool_)
+    for row, (_, flags) in zip(same, maps, strict=True):
+        row[:n] = flags
+    best = same.reshape(len(maps), chunks, chunk_tokens).sum(axis=2).argmax(axis=0)
     chosen = np.repeat(best, chunk_tokens)[:n]
-    at = np.arange(n)
-    positions = sources[chosen, at]
+    positions = np.full(n, NO_SOURCE, np.int64)
+    identical = np.zeros(n, np.bool_)
+    for i in np.unique(best).tolist():  # only the donors that serve a chunk are read
+        served = chosen == i
+        positions[served] = maps[i][0][served]
+        identical[served] = same[i, :n][served]
     mapped = positions != NO_SOURCE  # unmapped stays None: no KV serves that position
-    return np.where(mapped, chosen, -1), positions, same[chosen, at] & mapped
+    return np.where(mapped, chosen, -1), positions, identical & mapped
 
 
 def _runs(names: list[str], donor: Ints, positions: Ints, usable: Bools,
