@@ -218,3 +218,38 @@ def test_skipping_donors_without_a_sampled_anchor_keeps_every_long_run(monkeypat
     monkeypatch.setattr(span_plan, "shares_anchor", lambda *a: True)
     assert decide_reuse(target, donors) == filtered
     assert plan_span(target, donors, local_tokens=0, block_size=32) is not None
+
+
+def reference_best_donor_per_chunk(n: int, maps: list[tuple[list[int], list[bool]]],
+                                   chunk: int) -> tuple[list[int], list[int], list[bool]]:
+    donor, positions, identical = [-1] * n, [NO_SOURCE] * n, [False] * n
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        counts = [sum(same[lo:hi]) for _, same in maps]
+        if not counts:
+            continue
+        best = counts.index(max(counts))  # ties: the first donor given
+        for p in range(lo, hi):
+            q = maps[best][0][p]
+            if q != NO_SOURCE:
+                donor[p], positions[p], identical[p] = best, q, maps[best][1][p]
+    return donor, positions, identical
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 200), st.integers(0, 5), st.sampled_from([1, 3, 16, 64]), st.data())
+def test_best_donor_per_chunk_is_the_per_chunk_loop(n: int, donors: int, chunk: int,
+                                                    data: st.DataObject) -> None:
+    import numpy as np
+
+    from semkv.span_plan import _best_donor_per_chunk
+
+    maps = []
+    for _ in range(donors):
+        sources = data.draw(st.lists(st.sampled_from([NO_SOURCE, 0, 5, 9]), min_size=n,
+                                     max_size=n))
+        same = [q != NO_SOURCE and data.draw(st.booleans()) for q in sources]
+        maps.append((sources, same))
+    got = _best_donor_per_chunk(n, [(np.array(s, np.int64), np.array(f, np.bool_))
+                                    for s, f in maps], chunk)
+    assert tuple(x.tolist() for x in got) == reference_best_donor_per_chunk(n, maps, chunk)
