@@ -229,8 +229,9 @@ def shares_anchor(anchors: AnchorIndex, grams: Ints | TargetGrams) -> bool:
 
     A shared run of ``ANCHOR_STRIDE + k - 1`` tokens or more (23 by default) always holds one,
     wherever it lies; a donor that shares none is not worth mapping for identical-token plans
-    (at most a few short runs), and most of 16 candidates share none: skipping their look-ups
-    and walks is most of planning's time (issue #25)."""
+    (at most a few short runs). Planning goes further per position (``TargetGrams.
+    sampled_held``, ``semkv.span_plan._brings_new_anchor``): a donor is walked only for a
+    sampled k-gram that no donor walked before it holds (issue #25)."""
     if isinstance(grams, TargetGrams):
         return anchors.holds_any(grams.sampled, grams.sampled_slots)
     return anchors.holds_any(grams[::ANCHOR_STRIDE])
@@ -252,6 +253,11 @@ class TargetGrams:
         keys = gram_keys(target, 0, len(target), k)
         sampled = keys[::ANCHOR_STRIDE]
         return cls(keys, SketchSlots.of(keys), sampled, SketchSlots.of(sampled))
+
+    def sampled_held(self, anchors: AnchorIndex) -> Bools:
+        """Per sampled key (``sampled``): does the donor's index hold it?"""
+        held: Bools = anchors.find(self.sampled, self.sampled_slots) >= 0
+        return held
 
     def hits(self, anchors: AnchorIndex, n: int) -> Ints:
         """Per target position in ``[0, n)``: the donor position of its anchor, or -1."""

@@ -13,8 +13,9 @@ Protocol:
    ``semkv.research.assembly.plan_reuse`` so that both reuse the same positions: the whole
    target is mapped against every donor with ``semkv.span_map.map_tokens`` (continued where
    that walk runs off a short donor, so its passage is found even late in the target) that
-   shares one of the target's k-grams at a sampled position (``shares_anchor``: every run of
-   23 or more shared tokens has one; research's mismatched reuse maps every donor); per
+   holds one of the target's k-grams at a sampled position that no donor mapped before it
+   holds (``_brings_new_anchor``: every run of 23 or more shared tokens has one; research's
+   mismatched reuse maps every donor); per
    target chunk of ``chunk_tokens`` the donor with the most identical tokens serves the chunk
    (ties: the first donor given); a position is reusable when its mapped donor token is
    identical (or mapped at all, with ``reuse_mismatched``, research only) and it is not the
@@ -48,7 +49,6 @@ from semkv.span_map import (
     Ints,
     TargetGrams,
     anchor_index,
-    shares_anchor,
     token_array,
     walk_donor,
 )
@@ -241,6 +241,17 @@ def _runs(names: list[str], donor: Ints, positions: Ints, usable: Bools,
                                        positions[starts[keep]].tolist(), strict=True))
 
 
+def _brings_new_anchor(held: Bools, covered: Bools) -> bool:
+    """Does a donor hold one of the target's sampled k-grams that no donor mapped before it
+    holds? Any run of ``ANCHOR_STRIDE + k - 1`` (23) or more tokens it shares with the target
+    holds a sampled k-gram; when a donor mapped before it holds that k-gram too, that donor's
+    walk maps the same position to an identical token (an anchor is taken where tokens
+    differ), so this donor could add at most the ends of such runs. Most candidates share
+    only the prompt template with a target, which the first of them already brings (issue
+    #25: planning time)."""
+    return bool((held & ~covered).any())
+
+
 def _choose(target: Sequence[int], donors: Mapping[str, Sequence[int]], chunk_tokens: int,
             min_run_tokens: int, anchor_tokens: int, reuse_mismatched: bool) -> _Choice:
     if chunk_tokens < 1:
@@ -249,15 +260,18 @@ def _choose(target: Sequence[int], donors: Mapping[str, Sequence[int]], chunk_to
     n = len(ids)
     k = max(1, anchor_tokens)
     grams = TargetGrams.of(ids, k)  # one target's k-gram keys, for every donor
-    # Identical-token plans map only the donors that share a sampled anchor (shares_anchor:
-    # every shared run of 23+ tokens has one); research's mismatched reuse maps every donor.
     names: list[str] = []
     maps: list[tuple[Ints, Bools]] = []
+    covered = np.zeros(len(grams.sampled), np.bool_)  # sampled keys a mapped donor holds
     for d, tokens in donors.items():
         anchors = anchor_index(tokens, k) if len(tokens) else AnchorIndex.empty()
-        if reuse_mismatched or shares_anchor(anchors, grams):
-            names.append(d)
-            maps.append(_map_donor(ids, tokens, k, grams, anchors))
+        if not reuse_mismatched:
+            held = grams.sampled_held(anchors)
+            if not _brings_new_anchor(held, covered):
+                continue
+            covered |= held
+        names.append(d)
+        maps.append(_map_donor(ids, tokens, k, grams, anchors))
     donor, positions, identical = _best_donor_per_chunk(n, maps, chunk_tokens)
     usable = identical | (reuse_mismatched & (donor >= 0))
     if n:  # the last prompt token is never reused: its logits start the generation

@@ -215,9 +215,33 @@ def test_skipping_donors_without_a_sampled_anchor_keeps_every_long_run(monkeypat
         "a": doc[:500], "b": array("q", doc[450:]), "c": other,
         **{f"s{i}": [rng.randrange(50_000, 90_000) for _ in range(700)] for i in range(12)}}
     filtered = decide_reuse(target, donors)
-    monkeypatch.setattr(span_plan, "shares_anchor", lambda *a: True)
+    monkeypatch.setattr(span_plan, "_brings_new_anchor", lambda *a: True)
     assert decide_reuse(target, donors) == filtered
     assert plan_span(target, donors, local_tokens=0, block_size=32) is not None
+
+
+def test_donors_that_bring_only_the_template_again_are_not_walked(monkeypatch) -> None:
+    """16 candidates share a 96-token prompt template with the target; three also share a
+    passage each. Only the first template holder and the passage donors are walked, and the
+    decision is the one that walks every candidate."""
+    import semkv.span_plan as span_plan
+
+    rng = random.Random(9)
+    words = lambda n: [rng.randrange(1000, 50_000) for _ in range(n)]  # noqa: E731
+    template, passages = words(96), [words(300) for _ in range(3)]
+    donors: dict[str, Sequence[int]] = {f"t{i}": template + words(600) for i in range(6)}
+    donors |= {f"p{i}": array("q", template + p + words(40)) for i, p in enumerate(passages)}
+    donors |= {f"u{i}": template + words(600) for i in range(7)}
+    target = template + passages[2] + words(5) + passages[0] + passages[1] + words(30)
+    walked: list[int] = []
+    real = span_plan._map_donor
+    monkeypatch.setattr(span_plan, "_map_donor", lambda *a, **k: walked.append(1) or real(*a, **k))
+    decided = decide_reuse(target, donors)
+    assert len(walked) == 4  # t0 (the template), p0, p1, p2
+    monkeypatch.setattr(span_plan, "_brings_new_anchor", lambda *a: True)
+    assert decide_reuse(target, donors) == decided
+    assert len(walked) == 4 + len(donors)
+    assert {r.donor_id for r in decided.runs} >= {"p0", "p1", "p2"}
 
 
 def reference_best_donor_per_chunk(n: int, maps: list[tuple[list[int], list[bool]]],
