@@ -11,6 +11,7 @@ entry's key and index arrays), so memory stays capped without any hook into the 
 from __future__ import annotations
 
 import threading
+import weakref
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 DEFAULT_MAX_BYTES = 128 * 1024 * 1024
+_RECENT_DONORS = 1024  # token objects whose key bytes are reused (their hash computed once)
 Tokens = Sequence[int] | npt.NDArray[np.int64]
 
 
@@ -130,6 +132,7 @@ class AnchorCache:
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[int, bytes], tuple[AnchorIndex, int]] = OrderedDict()
+        self._recent: OrderedDict[int, tuple[weakref.ref[Tokens], bytes]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -145,12 +148,34 @@ class AnchorCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._recent.clear()
             self._bytes = 0
+
+    def _stable_bytes(self, tokens: Tokens) -> bytes:
+        """``token_key(tokens)``; for a donor object seen recently with the same tokens, the
+        bytes object made then, whose hash Python has cached: hashing a 4K donor's 32 KB on
+        each of 16 look-ups per request was a tenth of planning (issue #25).
+
+        NOTE: the tokens are compared each time, so a mutated array never reuses stale bytes;
+        objects are held weakly (a list, which cannot be, is simply not remembered)."""
+        raw = token_key(tokens)
+        with self._lock:
+            seen = self._recent.get(id(tokens))
+            if seen is not None and seen[0]() is tokens and seen[1] == raw:
+                self._recent.move_to_end(id(tokens))
+                return seen[1]
+            try:
+                self._recent[id(tokens)] = (weakref.ref(tokens), raw)
+            except TypeError:
+                return raw
+            if len(self._recent) > _RECENT_DONORS:
+                self._recent.popitem(last=False)
+        return raw
 
     def get(self, tokens: Tokens, k: int,
             build: Callable[[Tokens, int], AnchorIndex]) -> AnchorIndex:
         """The index of ``tokens`` for ``k``, built with ``build`` on a miss."""
-        key = (k, token_key(tokens))
+        key = (k, self._stable_bytes(tokens))
         with self._lock:
             found = self._entries.get(key)
             if found is not None:

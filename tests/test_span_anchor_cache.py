@@ -38,6 +38,23 @@ def test_changed_tokens_miss_the_cache() -> None:
     assert cache.hits == 1
 
 
+def test_a_remembered_array_changed_in_place_misses_the_cache() -> None:
+    """An array('q') donor is remembered by identity (its key bytes reused); changing its
+    tokens in place must still miss, and a dead object's id reused by another must too."""
+    cache = AnchorCache()
+    donor = array("q", [1, 2, 3, 4, 5, 6])
+    first = cache.get(donor, 2, build_anchor_index)
+    assert cache.get(donor, 2, build_anchor_index) is first and cache.hits == 1
+    donor[0] = 9
+    second = cache.get(donor, 2, build_anchor_index)
+    assert second is not first and holds(second, [9, 2]) and not holds(second, [1, 2])
+    assert cache.get(array("q", [1, 2, 3, 4, 5, 6]), 2, build_anchor_index) is first
+    del donor
+    for _ in range(50):  # new objects, some at a freed id: each answers for its own tokens
+        other = array("q", [7, 7, 8, 8, 7])
+        assert holds(cache.get(other, 2, build_anchor_index), [8, 7])
+
+
 def test_lru_eviction_keeps_the_byte_bound() -> None:
     cache = AnchorCache(max_bytes=40_000)  # ~8.4 KB an entry (the sketch): eviction must happen
     donors = [list(range(i, i + 10)) for i in range(20)]
