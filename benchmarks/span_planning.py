@@ -232,7 +232,9 @@ def breakdown(side: Scheduler, reqs: list[tuple[Any, list[Any]]], reps: int) -> 
                (span_plan, "walk_donor", "map: anchor look-ups"),
                (span_plan, "gram_keys", "map: target k-grams"),
                (span_map, "gram_keys", "map: target k-grams"),
-               (span_plan, "_choose", "decide: target keys sorted, usable"),
+               (span_plan, "_choose", "decide: target keys, usable"),
+               (getattr(span_map, "TargetGrams", None), "sampled_held",
+                "candidates: sampled anchors held"),
                (span_plan, "map_tokens", "map: walk"),  # before issue #25's walk
                (span_plan, "_map_donor", "map: continue past a short donor"),
                (span_plan, "_best_donor_per_chunk", "best donor per chunk"),
