@@ -88,15 +88,6 @@ class AnchorIndex:
         np.minimum(at, len(self.keys) - 1, out=at)
         return np.where(self.keys[at] == grams, self.first[at], -1)
 
-    def holds_any(self, grams: npt.NDArray[np.int64], slots: SketchSlots | None = None) -> bool:
-        """Is any key of ``grams`` in the index? (``slots``: as for ``may_hold``)"""
-        grams = grams[self.may_hold(grams, slots)]
-        if not len(self.keys) or not len(grams):
-            return False
-        at = np.searchsorted(self.keys, grams)
-        np.minimum(at, len(self.keys) - 1, out=at)
-        return bool((self.keys[at] == grams).any())
-
     def find(self, grams: npt.NDArray[np.int64],
              slots: SketchSlots | None = None) -> npt.NDArray[np.int64]:
         """``lookup(grams)``, searching only the keys the sketch may hold (``slots``: as for

@@ -207,7 +207,7 @@ def _walk(target: Sequence[int] | Ints, donor: Sequence[int] | Ints, start: int,
     return sources, same
 
 
-_FEW_RUNS = 16
+_FEW_RUNS = 16  # _walk fills at most this many runs by slices, more by index arrays
 
 
 def _add_run(runs: list[tuple[int, int, int]], tp: int, dp: int, length: int) -> None:
@@ -220,27 +220,15 @@ def _add_run(runs: list[tuple[int, int, int]], tp: int, dp: int, length: int) ->
     runs.append((tp, dp, length))
 
 
-ANCHOR_STRIDE = 16  # shares_anchor: every 16th target k-gram is looked up
-
-
-def shares_anchor(anchors: AnchorIndex, grams: Ints | TargetGrams) -> bool:
-    """Does a donor's ``anchor_index`` hold one of the target's k-grams at a sampled position
-    (every ``ANCHOR_STRIDE``-th of ``grams``, the target's ``gram_keys``)?
-
-    A shared run of ``ANCHOR_STRIDE + k - 1`` tokens or more (23 by default) always holds one,
-    wherever it lies; a donor that shares none is not worth mapping for identical-token plans
-    (at most a few short runs). Planning goes further per position (``TargetGrams.
-    sampled_held``, ``semkv.span_plan._brings_new_anchor``): a donor is walked only for a
-    sampled k-gram that no donor walked before it holds (issue #25)."""
-    if isinstance(grams, TargetGrams):
-        return anchors.holds_any(grams.sampled, grams.sampled_slots)
-    return anchors.holds_any(grams[::ANCHOR_STRIDE])
+# Every 16th target k-gram is sampled: a shared run of ANCHOR_STRIDE + k - 1 tokens or more (23
+# by default) always holds one, wherever it lies (TargetGrams.sampled_held).
+ANCHOR_STRIDE = 16
 
 
 @dataclass(frozen=True)
 class TargetGrams:
-    """A target's k-gram keys from position 0 (``gram_keys``) and the keys ``shares_anchor``
-    samples, each with their sketch slots: computed once per target, read against every
+    """A target's k-gram keys from position 0 (``gram_keys``) and every ``ANCHOR_STRIDE``-th of
+    them (``sampled``), each with their sketch slots: computed once per target, read against every
     candidate donor's index (its sketch skips most keys, the rest are searched)."""
 
     keys: Ints
@@ -255,7 +243,10 @@ class TargetGrams:
         return cls(keys, SketchSlots.of(keys), sampled, SketchSlots.of(sampled))
 
     def sampled_held(self, anchors: AnchorIndex) -> Bools:
-        """Per sampled key (``sampled``): does the donor's index hold it?"""
+        """Per sampled key (``sampled``): does the donor's index hold it? A donor that holds
+        none shares no run of ``ANCHOR_STRIDE + k - 1`` tokens or more with the target; planning
+        walks a donor only for a sampled key no donor walked before it holds
+        (``semkv.span_plan._brings_new_anchor``)."""
         held: Bools = anchors.find(self.sampled, self.sampled_slots) >= 0
         return held
 
