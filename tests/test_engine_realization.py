@@ -321,17 +321,20 @@ def diagnose(llm: Any, realized: Any) -> str:
     op, cache = realized.op, realized.cache
     lo, hi = op.local_tokens, op.span_tokens
     index = torch.tensor(op.block_ids, dtype=torch.long)
-    drift, nonfinite = [], []
+    drift, nonfinite, bad_blocks = [], [], set()
     for i, layer in enumerate(model.model.layers):
         kv = layer.self_attn.attn.kv_cache
-        if not bool(torch.isfinite(kv).all()):
+        finite = torch.isfinite(kv.reshape(kv.shape[0], -1)).all(dim=1)
+        if not bool(finite.all()):
             nonfinite.append(i)
+            bad_blocks.update((~finite).nonzero().flatten().tolist())
         if layout is not None:
             k, _ = layout.read(kv[index])
             drift.append(float((k - cache.keys[i][0, :, lo:hi].transpose(0, 1)).abs().max()))
     return (f"blocks {op.block_ids[:3]}... ({len(op.block_ids)}); max |K in blocks - K written| "
             f"per layer (first 6) {[round(d, 5) for d in drift[:6]]}, max {max(drift or [0]):.5f}"
-            f"; layers with non-finite paged KV {nonfinite}")
+            f"; layers with non-finite paged KV {nonfinite}, in blocks {sorted(bad_blocks)[:12]} "
+            f"({len(bad_blocks & set(op.block_ids))} of them the span's)")
 
 
 def copied(plan: SpanPlan) -> list[int]:
