@@ -3,11 +3,19 @@
 When the worker is handed its realizer (``register_kv_caches``, before any request), it runs
 ``CALIBRATION``'s synthetic spans to their end through the very code a realization runs
 (``SpanRealizer.run_now``: its ``_steps`` and ``write``) and times them: (span tokens, tokens
-copied from its start), the rest gaps. Copies read the first donor-store slots (whatever they
-hold) one block into their donor, so keys are re-rotated as a shifted copy's are; gaps are
-token 0; the result is written into the engine's last blocks (at start-up every block is free,
-and vLLM's own warm-up writes them the same way). The samples go to the scheduler with the
-worker's first report (``cost_gate.py`` says why a measurement and not a constant).
+copied from its start), the rest gaps. Copies read the first donor-store slots, zeroed first,
+one block into their donor, so keys are re-rotated as a shifted copy's are; gaps are token 0;
+the result is written into the engine's last blocks (at start-up every block is free), which
+are zeroed again at the end. The samples go to the scheduler with the worker's first report
+(``cost_gate.py`` says why a measurement and not a constant).
+
+NOTE: the donor store is allocated uninitialized (``block_copy.allocate_store``): its bytes
+are whatever the process's memory held, NaN patterns included. Read as they were, they put
+NaN into the engine's last blocks, and vLLM 0.32's CPU attention lets a NaN value in a slot
+past a sequence's end reach the output (softmax weight 0 times NaN): every later request whose
+last, partly filled block was one of them answered token id 0 until its slots were rewritten
+(docs/notes.md, the sixteenth session). Hence the zeroed slots, and no calibration value is
+left in the engine's blocks.
 
 The spans tell the rates apart: copies against computation, attention from a causal prefix up
 to a 2K context (a gap-heavy span's layer calls attend ~1K positions over its whole context; on
@@ -29,7 +37,10 @@ all-reduces unpaired (a hang).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from semkv.cost import RealizeWork
 from semkv.log import get_logger
@@ -57,18 +68,23 @@ def calibrate(realizer: SpanRealizer) -> list[tuple[RealizeWork, float]]:
     blocks = min((int(t.shape[0]) for t in realizer.kv_caches.values()), default=0)
     positions = _rotary_positions(realizer.runner)
     fastest: dict[tuple[int, int], tuple[RealizeOp, float]] = {}
+    written: set[int] = set()  # the engine blocks the spans were written into
     started = time.perf_counter()
     try:
-        _run(realizer, CALIBRATION_WARMUP, 0, slots, blocks)
+        _zero(realizer.store.values(), range(min(slots, _slots_read(bs))))
+        _run(realizer, CALIBRATION_WARMUP, 0, slots, blocks, written)
         for _ in range(CALIBRATION_REPEATS):
             for shape in CALIBRATION:
                 if time.perf_counter() - started > CALIBRATION_BUDGET_S:
                     break
-                timed = _run(realizer, *shape, slots, blocks) if shape[0] <= positions else None
+                timed = (_run(realizer, *shape, slots, blocks, written)
+                         if shape[0] <= positions else None)
                 if timed is not None and (shape not in fastest or timed[1] < fastest[shape][1]):
                     fastest[shape] = timed
     except Exception as exc:  # noqa: BLE001 - the gate then learns from real realizations
         log.warning("realization_calibration_failed", error_type=type(exc).__name__)
+    finally:
+        _zero([realizer.kv_caches[name] for name in realizer.layer_names], sorted(written))
     out = [(op_work(op, (), layers=realizer.runner.num_layers, block_size=bs), seconds)
            for op, seconds in fastest.values()]
     log.info("realization_calibrated", spans=len(out),
@@ -76,12 +92,30 @@ def calibrate(realizer: SpanRealizer) -> list[tuple[RealizeWork, float]]:
     return out
 
 
-def _run(realizer: SpanRealizer, span: int, copied: int, slots: int,
-         blocks: int) -> tuple[RealizeOp, float] | None:
-    """One synthetic span realized and written, timed; None when it cannot be held."""
+def _slots_read(block_size: int) -> int:
+    """The donor-store slots a copy of ``copied`` tokens reads, the longest copy's."""
+    return max((_copy_blocks(copied, block_size) for _, copied in CALIBRATION), default=0)
+
+
+def _copy_blocks(copied: int, block_size: int) -> int:
+    return -(-(copied + block_size) // block_size) if copied else 0  # a block into its donor
+
+
+def _zero(tensors: Iterable[torch.Tensor], pages: Sequence[int]) -> None:
+    """Zero these pages (first dimension) of every tensor."""
+    if not pages:
+        return
+    for t in tensors:
+        t.index_fill_(0, torch.as_tensor(list(pages), dtype=torch.long, device=t.device), 0)
+
+
+def _run(realizer: SpanRealizer, span: int, copied: int, slots: int, blocks: int,
+         written: set[int]) -> tuple[RealizeOp, float] | None:
+    """One synthetic span realized and written (its blocks added to ``written``), timed; None
+    when it cannot be held."""
     bs = realizer.layout.block_size
     span = -(-span // bs) * bs
-    read = -(-(copied + bs) // bs) if copied else 0  # the copy starts a block into its donor
+    read = _copy_blocks(copied, bs)
     if read > slots or span // bs >= blocks:
         return None
     copies = [CopySource(0, copied, bs, 0, list(range(read)), [0] * read)] if copied else []
@@ -90,6 +124,7 @@ def _run(realizer: SpanRealizer, span: int, copied: int, slots: int,
                    copies, gaps, gaps, [0] * len(gaps), prompt_tokens=span + 1)
     clock = realizer.clock
     start = clock.mark()
+    written.update(op.block_ids)
     if not realizer.run_now(op):
         return None
     stop = clock.mark()
