@@ -93,11 +93,12 @@ def calibrate(realizer: SpanRealizer) -> list[tuple[RealizeWork, float]]:
 
 
 def _slots_read(block_size: int) -> int:
-    """The donor-store slots a copy of ``copied`` tokens reads, the longest copy's."""
+    """How many donor-store slots the calibration's longest copy reads."""
     return max((_copy_blocks(copied, block_size) for _, copied in CALIBRATION), default=0)
 
 
 def _copy_blocks(copied: int, block_size: int) -> int:
+    """The donor-store slots a copy of ``copied`` tokens reads."""
     return -(-(copied + block_size) // block_size) if copied else 0  # a block into its donor
 
 
