@@ -10,7 +10,9 @@ target: noisier than the engine frontier's mean over 32 teacher-forced answer po
 
 Arms: ``none``, ``first16``, ``blend<r>``, ``first16+blend<r>``, ``query<r>``,
 ``first16+query<r>`` (query-aware: ``semkv.realize.query``), ``progressive<r>`` (per-layer
-selection, CacheBlend's gradual filtering; research only), ``oracle<r>`` (copied tokens
+selection, CacheBlend's gradual filtering; research only), ``shift<r>`` (query, then each copied
+run's mean K/V deviation added to the tokens it left: ``semkv.research.shift``; research
+only), ``oracle<r>`` (copied tokens
 ranked by their true deviation from the cold KV over every layer: what the best selection of
 single tokens reaches at that share), and the fp8 floor (the cold KV of every prompt token but
 the last rounded through fp8 with ``semkv.realize.fp8.round_fp8``, the engine's ``kv_floor``
@@ -49,7 +51,8 @@ def arms(names: list[str] | None = None) -> list[Any]:
     out = [Strategy.none(), Strategy.first(16)]
     for r in RATIOS:
         out += [Strategy.blend(r), Strategy.first_k_blend(16, r), Strategy.query(r),
-                Strategy.first_k_query(16, r), Strategy.oracle(r), Strategy.progressive(r)]
+                Strategy.first_k_query(16, r), Strategy.oracle(r), Strategy.progressive(r),
+                Strategy.shift(r)]
     return out
 
 
@@ -147,7 +150,7 @@ def plot(summary: dict[str, dict[str, dict[str, float]]], path: Path,
     fig, axes = plt.subplots(1, len(kinds), figsize=(4.2 * len(kinds), 3.6), squeeze=False)
     families = {"blend": "blend", "first16+blend": "first16+blend", "query": "query",
                 "first16+query": "first16+query", "oracle": "oracle",
-                "progressive": "progressive"}
+                "progressive": "progressive", "shift": "shift"}
     for ax, kind in zip(axes[0], kinds, strict=True):
         arms_ = summary[kind]
         for label, prefix in families.items():

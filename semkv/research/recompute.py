@@ -23,6 +23,9 @@ strategy adds:
 - ``progressive`` (measurement only, research only): per-layer selection as CacheBlend's
   gradual filtering: the copied tokens still selected are re-ranked at every layer by that
   layer's deviation, a shrinking nested set (``_progressive``).
+- ``shift`` (measurement only, research only): ``query``, then each copied run's mean K/V
+  deviation (measured on its recomputed tokens) added to the copied tokens it left, and the
+  question computed again (``semkv.research.shift``).
 - ``full``: a full prefill, no reuse: the reference.
 - ``oracle`` (measurement only, research only): the reused tokens ranked by their TRUE
   deviation from the cold KV (a full prefill's), summed over every layer, the top ``ratio``
@@ -62,6 +65,7 @@ from semkv.realize.recompute import (
 )
 from semkv.research.assembly import NO_SOURCE, ReusePlan, Segment, assemble
 from semkv.research.donors import DonorStore
+from semkv.research.shift import shifted_query
 from semkv.span_plan import SpanPlan
 
 __all__ = ["DEFAULT_PROBE_LAYERS", "PrefillResult", "Strategy", "StrategyKind", "plan_of_span",
@@ -78,6 +82,7 @@ class StrategyKind(str, Enum):
     FULL = "full"
     ORACLE = "oracle"
     PROGRESSIVE = "progressive"
+    SHIFT = "shift"
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,12 @@ class Strategy:
             raise ValueError("progressive needs 0 <= ratio <= 1 and probe_layers >= 1")
         return cls(StrategyKind.PROGRESSIVE, ratio=ratio, probe_layers=probe_layers)
 
+    @classmethod
+    def shift(cls, ratio: float, query_tokens: int = DEFAULT_QUERY_TOKENS) -> Strategy:
+        if not 0.0 <= ratio <= 1.0 or query_tokens < 1:
+            raise ValueError("shift needs 0 <= ratio <= 1 and query_tokens >= 1")
+        return cls(StrategyKind.SHIFT, ratio=ratio, query_tokens=query_tokens)
+
     @property
     def name(self) -> str:
         if self.kind is StrategyKind.FIRST_K:
@@ -157,6 +168,8 @@ class Strategy:
             return f"oracle{round(self.ratio * 100)}"
         if self.kind is StrategyKind.PROGRESSIVE:
             return f"progressive{round(self.ratio * 100)}"
+        if self.kind is StrategyKind.SHIFT:
+            return f"shift{round(self.ratio * 100)}"
         return str(self.kind.value)
 
 
@@ -192,7 +205,8 @@ class PrefillResult:
 
 def shared(strategy: Strategy) -> RecomputeStrategy:
     """The engine-shared strategy (``semkv.realize.recompute``) for a research strategy."""
-    if strategy.kind in (StrategyKind.FULL, StrategyKind.ORACLE, StrategyKind.PROGRESSIVE):
+    if strategy.kind in (StrategyKind.FULL, StrategyKind.ORACLE, StrategyKind.PROGRESSIVE,
+                         StrategyKind.SHIFT):
         raise ValueError(f"{strategy.kind.value} is research's own, not a shared strategy")
     return RecomputeStrategy(RecomputeKind(strategy.kind.value), fraction=strategy.ratio,
                              first_k=max(1, strategy.first_k),
@@ -221,6 +235,10 @@ def prefill(
         return _oracle(lm, target, plan, cache, strategy, capacity)
     if strategy.kind is StrategyKind.PROGRESSIVE:
         return _progressive(lm, target, plan, cache, strategy)
+    if strategy.kind is StrategyKind.SHIFT:
+        hidden, passes = shifted_query(lm, target, runs(plan), cache, strategy.ratio,
+                                       strategy.query_tokens)
+        return PrefillResult(cache, lm.logits(hidden)[-1], n, passes)
     # The selection and layered execution are the engine's own (semkv.realize.recompute): every
     # position is realized here, the plan's segments are the copied runs, n the prompt tokens.
     done = recompute(lm, cache, range(n), runs(plan), dict(enumerate(target)), shared(strategy),
