@@ -106,6 +106,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "realized:blend50": {"strategy": "blend", "fraction": 0.50},
     "realized:query15": {"strategy": "query", "fraction": 0.15},
     "realized:query30": {"strategy": "query", "fraction": 0.30},
+    "realized:query50": {"strategy": "query", "fraction": 0.50},  # where RAG reaches the floor
     "realized:first_k16+query15": {"strategy": "first_k_query", "first_k": 16,
                                    "fraction": 0.15},
 }
