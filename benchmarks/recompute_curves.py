@@ -10,13 +10,13 @@ target: noisier than the engine frontier's mean over 32 teacher-forced answer po
 
 Arms: ``none``, ``first16``, ``blend<r>``, ``first16+blend<r>``, ``query<r>``,
 ``first16+query<r>`` (query-aware: ``semkv.realize.query``), ``progressive<r>`` (per-layer
-selection, CacheBlend's gradual filtering; research only), ``shift<r>`` (query, then each copied
-run's mean K/V deviation added to the tokens it left: ``semkv.research.shift``; research
-only), ``oracle<r>`` (copied tokens
-ranked by their true deviation from the cold KV over every layer: what the best selection of
-single tokens reaches at that share), and the fp8 floor (the cold KV of every prompt token but
-the last rounded through fp8 with ``semkv.realize.fp8.round_fp8``, the engine's ``kv_floor``
-rounding, the last token computed over it).
+selection, CacheBlend's gradual filtering; research only), ``shift<r>`` (query, then each
+copied run's mean K/V deviation added to the tokens it left: ``semkv.research.shift``; research
+only), ``oracle<r>`` (copied tokens ranked by their true deviation from the cold KV over every
+layer: what the best selection of single tokens reaches at that share), and the fp8 floor (the
+cold KV of every prompt token but the last rounded through fp8 with
+``semkv.realize.fp8.round_fp8``, the engine's ``kv_floor`` rounding, the last token computed
+over it).
 
     nice -n 5 .venv/bin/python benchmarks/recompute_curves.py --clusters 4 --target-tokens 1024
 
