@@ -60,9 +60,9 @@ def shift_unselected(runner: LayerRunner, cache: KVCache, runs: Runs, recomputed
         for layer in range(runner.num_layers):
             keys, values = cache.keys[layer][0], cache.values[layer][0]
             dv = (values[:, at] - old_values[layer][:, cols]).mean(dim=1, keepdim=True)
-            fresh = runner.rotator.rotate(keys[:, at], -at)
-            reused = runner.rotator.rotate(old_keys[layer][:, cols], -at)
-            dk = (fresh - reused).mean(dim=1, keepdim=True).expand(-1, len(left), -1)
+            # the rotation is linear: turning the difference back is turning both back
+            dk = runner.rotator.rotate(keys[:, at] - old_keys[layer][:, cols], -at)
+            dk = dk.mean(dim=1, keepdim=True).expand(-1, len(left), -1)
             values[:, to] += dv
             keys[:, to] += runner.rotator.rotate(dk.contiguous(), to)
         moved += len(left)
@@ -78,8 +78,8 @@ def shifted_query(lm: LayerRunner, target: Sequence[int], copied_runs: Runs, cac
     copied = copied_positions(copied_runs)
     index = torch.tensor(copied, dtype=torch.long)
     layers = range(lm.num_layers)
-    old_keys = [cache.keys[i][0][:, index].clone() for i in layers]
-    old_values = [cache.values[i][0][:, index].clone() for i in layers]
+    old_keys = [cache.keys[i][0][:, index] for i in layers]  # indexing by a tensor copies
+    old_values = [cache.values[i][0][:, index] for i in layers]
     tokens = dict(enumerate(target))
     done = recompute(lm, cache, range(n), copied_runs, tokens,
                      RecomputeStrategy(RecomputeKind.QUERY, fraction=ratio,
