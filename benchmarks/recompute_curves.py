@@ -12,11 +12,12 @@ Arms: ``none``, ``first16``, ``blend<r>``, ``first16+blend<r>``, ``query<r>``,
 ``first16+query<r>`` (query-aware: ``semkv.realize.query``), ``progressive<r>`` (per-layer
 selection, CacheBlend's gradual filtering; research only), ``shift<r>`` (query, then each
 copied run's mean K/V deviation added to the tokens it left: ``semkv.research.shift``; research
-only), ``oracle<r>`` (copied tokens ranked by their true deviation from the cold KV over every
-layer: what the best selection of single tokens reaches at that share), and the fp8 floor (the
-cold KV of every prompt token but the last rounded through fp8 with
-``semkv.realize.fp8.round_fp8``, the engine's ``kv_floor`` rounding, the last token computed
-over it).
+only), ``queryv<r>`` (query's attention score weighted by each copied token's value error in
+the probe layers: ``semkv.research.valued``; research only), ``oracle<r>`` (copied tokens
+ranked by their true deviation from the cold KV over every layer: what the best selection of
+single tokens reaches at that share), and the fp8 floor (the cold KV of every prompt token but
+the last rounded through fp8 with ``semkv.realize.fp8.round_fp8``, the engine's ``kv_floor``
+rounding, the last token computed over it).
 
     nice -n 5 .venv/bin/python benchmarks/recompute_curves.py --clusters 4 --target-tokens 1024
 
@@ -52,7 +53,7 @@ def arms(names: list[str] | None = None) -> list[Any]:
     for r in RATIOS:
         out += [Strategy.blend(r), Strategy.first_k_blend(16, r), Strategy.query(r),
                 Strategy.first_k_query(16, r), Strategy.oracle(r), Strategy.progressive(r),
-                Strategy.shift(r)]
+                Strategy.shift(r), Strategy.queryv(r)]
     return out
 
 
@@ -150,7 +151,7 @@ def plot(summary: dict[str, dict[str, dict[str, float]]], path: Path,
     fig, axes = plt.subplots(1, len(kinds), figsize=(4.2 * len(kinds), 3.6), squeeze=False)
     families = {"blend": "blend", "first16+blend": "first16+blend", "query": "query",
                 "first16+query": "first16+query", "oracle": "oracle",
-                "progressive": "progressive", "shift": "shift"}
+                "progressive": "progressive", "shift": "shift", "queryv": "queryv"}
     for ax, kind in zip(axes[0], kinds, strict=True):
         arms_ = summary[kind]
         for label, prefix in families.items():

@@ -3,7 +3,8 @@
 One engine, ``materialize_semantic`` with nothing else about reuse set: the verified tier,
 realized spans and ``gate_policy: auto`` are the defaults, so the policy semkv ships for the
 bundled model decides (``semkv/policies/``: ``one_donor_in_order`` served with ``first_k_blend``,
-``one_donor_reordered`` with ``query`` from 3,561 prompt tokens, every other class refused).
+``one_donor_reordered`` with ``query`` at 15 % from 3,561 prompt tokens, ``multi_donor`` with
+``query`` at 50 % from 3,933, ``gap_dominated`` refused).
 The engine's own ``recompute_strategy`` is ``none``: a served span that recomputes tokens shows
 the policy's strategy, not the engine's, was used.
 
@@ -61,7 +62,8 @@ def workload() -> Workload:
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[Any]:
-    with engine(EXTRA, scheduler_cls=SCHEDULER) as e:
+    # room for the ~4K RAG target (up to ~4.2K prompt tokens) and its answer
+    with engine(EXTRA, scheduler_cls=SCHEDULER, max_model_len=4608) as e:
         yield e
 
 
@@ -96,6 +98,12 @@ def runs(llm: Any, workload: Workload) -> dict[str, tuple[Any, Any]]:
     long = load_workload(config)
     t = _target(long, "reordered_chunks")
     out["reordered_long"] = _serve(llm, [long.ids[d] for d in donors_of(long, t)], long.ids[t])
+    # multi-passage RAG at the length its class is certified from (~4K tokens)
+    config = BenchConfig(preset="gates", arms=(), clusters_per_type=1, target_tokens=4096,
+                         kinds=("multi_passage_rag",), max_tokens=TOKENS, concurrency=1)
+    rag = load_workload(config)
+    t = _target(rag, "multi_passage_rag")
+    out["rag_long"] = _serve(llm, [rag.ids[d] for d in donors_of(rag, t)], rag.ids[t])
     out["metrics"] = semkv_metrics(llm)
     return out
 
@@ -137,6 +145,19 @@ def test_reordered_chunks_from_the_certified_length_are_served_with_query(runs) 
     assert s["span"]["recomputed"] == round(0.15 * cold.prompt_tokens), s["span"]
 
 
+def test_rag_from_the_certified_length_is_served_with_query_at_half(runs) -> None:  # noqa: ANN001
+    """The 768-token RAG target above is refused; one of ~4K tokens (at least the 3,933 the
+    class is certified from) is served with the policy's query-aware strategy at 50 %."""
+    cold, sent = runs["rag_long"]
+    s = sent.summary
+    assert cold.prompt_tokens >= 3933, cold.prompt_tokens
+    assert s["provenance"] == "request_only_semantic_reuse", s
+    assert s["span"]["class"] == "multi_donor" and s["span_refused"] is None
+    assert s["span"]["donors"] >= 2, s["span"]
+    # the engine's strategy is none: query50 recomputed half of the prompt's tokens
+    assert s["span"]["recomputed"] == round(0.5 * cold.prompt_tokens), s["span"]
+
+
 def test_every_refusal_is_counted_by_reason_and_class(runs) -> None:  # noqa: ANN001
     m = runs["metrics"]
     assert m.get("vllm:semkv_realize_refused:class", 0) >= 3
@@ -146,6 +167,7 @@ def test_every_refusal_is_counted_by_reason_and_class(runs) -> None:  # noqa: AN
     assert m.get("vllm:semkv_realized_spans:one_donor_in_order", 0) >= 1
     assert m.get("vllm:semkv_span_refused:one_donor_in_order", 0) == 0
     assert m.get("vllm:semkv_realized_spans:one_donor_reordered", 0) >= 1
+    assert m.get("vllm:semkv_realized_spans:multi_donor", 0) >= 1
 
 
 def test_a_policy_of_another_model_stops_start_up_naming_file_and_field(

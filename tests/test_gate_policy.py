@@ -53,9 +53,10 @@ def test_the_shipped_policy_is_the_bundled_models(bundled_identity) -> None:  # 
     policy, path = found
     assert path.name == BUNDLED
     assert policy.served_classes() == [PlanClass.ONE_DONOR_IN_ORDER,
-                                       PlanClass.ONE_DONOR_REORDERED]
+                                       PlanClass.ONE_DONOR_REORDERED, PlanClass.MULTI_DONOR]
     assert policy.classes[PlanClass.ONE_DONOR_IN_ORDER].min_prompt_tokens == 0
     assert policy.classes[PlanClass.ONE_DONOR_REORDERED].min_prompt_tokens > 1024
+    assert policy.classes[PlanClass.MULTI_DONOR].min_prompt_tokens > 1024
     assert set(policy.classes) == set(PlanClass)  # every class has a rule and a reason
     assert all(rule.reason for rule in policy.classes.values())
 
@@ -159,13 +160,18 @@ def test_the_class_gate_lays_the_classes_strategy_over_the_engines(bundled_ident
         served = gate.strategy(PlanClass.ONE_DONOR_IN_ORDER, engine, tokens)
         assert served == RecomputeStrategy(RecomputeKind.FIRST_K_BLEND, fraction=0.15,
                                            first_k=16, probe_layers=3)
-    for cls in (PlanClass.MULTI_DONOR, PlanClass.GAP_DOMINATED):
-        assert gate.strategy(cls, engine, 4096) is FallbackReason.UNCERTIFIED_CLASS
+    assert gate.strategy(PlanClass.GAP_DOMINATED, engine, 4096) is (
+        FallbackReason.UNCERTIFIED_CLASS)
     # reordered chunks: certified with query15 from 3,561 tokens (docs/frontier.md, 4K)
     reordered = PlanClass.ONE_DONOR_REORDERED
     assert gate.strategy(reordered, engine, 1024) is FallbackReason.UNCERTIFIED_CLASS
     assert gate.strategy(reordered, engine, 4096) == RecomputeStrategy(
         RecomputeKind.QUERY, fraction=0.15, first_k=4, probe_layers=3)
+    # multi-passage RAG: certified with query50 from 3,933 tokens (docs/frontier.md, 4K)
+    rag = PlanClass.MULTI_DONOR
+    assert gate.strategy(rag, engine, 3932) is FallbackReason.UNCERTIFIED_CLASS
+    assert gate.strategy(rag, engine, 4096) == RecomputeStrategy(
+        RecomputeKind.QUERY, fraction=0.5, first_k=4, probe_layers=3)
     ungated = ClassGate.from_config(SemkvConfig.load({"gate_policy": "ungated"}), None)
     assert all(ungated.strategy(c, engine, 100) == engine for c in PlanClass)
 

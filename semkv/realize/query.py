@@ -70,8 +70,11 @@ def _run(runner: LayerRunner, cache: KVCache, token_ids: Mapping[int, int], at: 
 def query_select(runner: LayerRunner, cache: KVCache, positions: range, runs: Runs,
                  token_ids: Mapping[int, int], strategy: RecomputeStrategy, prompt_tokens: int,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None, max_tokens: int | None,
+                 *, weight: torch.Tensor | None = None,
                  ) -> Generator[int, None, Recomputed]:
-    """The two stages of the module docstring, one layer call per yield."""
+    """The two stages of the module docstring, one layer call per yield. ``weight`` (per
+    cache position, on the CPU) multiplies the attention score before ranking: research's
+    ``queryv`` weighs it by each copied token's value deviation (``semkv.research.valued``)."""
     layers = range(runner.num_layers)
     copied = copied_positions(runs)
     copied_set = set(copied)
@@ -95,6 +98,8 @@ def query_select(runner: LayerRunner, cache: KVCache, positions: range, runs: Ru
     if reduce is not None:
         attention = reduce(attention)
     score = attention.cpu()
+    if weight is not None:
+        score = score * weight
     forced = sorted(set(first_k_positions(runs, strategy.first_k))) if (
         strategy.kind.forces_first_k) else []
     held = set(forced)

@@ -66,6 +66,7 @@ from semkv.realize.recompute import (
 from semkv.research.assembly import NO_SOURCE, ReusePlan, Segment, assemble
 from semkv.research.donors import DonorStore
 from semkv.research.shift import shifted_query
+from semkv.research.valued import valued_query
 from semkv.span_plan import SpanPlan
 
 __all__ = ["DEFAULT_PROBE_LAYERS", "PrefillResult", "Strategy", "StrategyKind", "plan_of_span",
@@ -83,6 +84,7 @@ class StrategyKind(str, Enum):
     ORACLE = "oracle"
     PROGRESSIVE = "progressive"
     SHIFT = "shift"
+    QUERYV = "queryv"
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,14 @@ class Strategy:
             raise ValueError("shift needs 0 <= ratio <= 1 and query_tokens >= 1")
         return cls(StrategyKind.SHIFT, ratio=ratio, query_tokens=query_tokens)
 
+    @classmethod
+    def queryv(cls, ratio: float, query_tokens: int = DEFAULT_QUERY_TOKENS,
+               probe_layers: int = DEFAULT_PROBE_LAYERS) -> Strategy:
+        if not 0.0 <= ratio <= 1.0 or query_tokens < 1 or probe_layers < 1:
+            raise ValueError("queryv needs 0 <= ratio <= 1, query_tokens >= 1, probe_layers >= 1")
+        return cls(StrategyKind.QUERYV, ratio=ratio, query_tokens=query_tokens,
+                   probe_layers=probe_layers)
+
     @property
     def name(self) -> str:
         if self.kind is StrategyKind.FIRST_K:
@@ -170,6 +180,8 @@ class Strategy:
             return f"progressive{round(self.ratio * 100)}"
         if self.kind is StrategyKind.SHIFT:
             return f"shift{round(self.ratio * 100)}"
+        if self.kind is StrategyKind.QUERYV:
+            return f"queryv{round(self.ratio * 100)}"
         return str(self.kind.value)
 
 
@@ -206,7 +218,7 @@ class PrefillResult:
 def shared(strategy: Strategy) -> RecomputeStrategy:
     """The engine-shared strategy (``semkv.realize.recompute``) for a research strategy."""
     if strategy.kind in (StrategyKind.FULL, StrategyKind.ORACLE, StrategyKind.PROGRESSIVE,
-                         StrategyKind.SHIFT):
+                         StrategyKind.SHIFT, StrategyKind.QUERYV):
         raise ValueError(f"{strategy.kind.value} is research's own, not a shared strategy")
     return RecomputeStrategy(RecomputeKind(strategy.kind.value), fraction=strategy.ratio,
                              first_k=max(1, strategy.first_k),
@@ -239,6 +251,11 @@ def prefill(
         hidden, passes = shifted_query(lm, target, runs(plan), cache, strategy.ratio,
                                        strategy.query_tokens)
         return PrefillResult(cache, lm.logits(hidden)[-1], n, passes)
+    if strategy.kind is StrategyKind.QUERYV:
+        done = valued_query(lm, target, runs(plan), cache, strategy.ratio, strategy.query_tokens,
+                            strategy.probe_layers)
+        assert done.hidden is not None  # the last prompt token is never copied: always computed
+        return PrefillResult(cache, lm.logits(done.hidden[:, -1:])[-1], n, done.passes)
     # The selection and layered execution are the engine's own (semkv.realize.recompute): every
     # position is realized here, the plan's segments are the copied runs, n the prompt tokens.
     done = recompute(lm, cache, range(n), runs(plan), dict(enumerate(target)), shared(strategy),

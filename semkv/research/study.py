@@ -65,8 +65,8 @@ DISCOVERY_FIELDS = ("proposed", "discovered_correct", "false_positive")
 
 def strategy_from_name(name: str) -> Strategy:
     """The strategy ``Strategy.name`` gives this name: none, full, first<k>, blend<percent>,
-    oracle<percent>, progressive<percent>, query<percent>, shift<percent> and the halo
-    combinations first<k>+blend<percent>, first<k>+query<percent>."""
+    oracle<percent>, progressive<percent>, query<percent>, queryv<percent>, shift<percent> and
+    the halo combinations first<k>+blend<percent>, first<k>+query<percent>."""
     if name in (StrategyKind.NONE.value, StrategyKind.FULL.value):
         return Strategy(StrategyKind(name))
     number = name.lstrip("abcdefghijklmnopqrstuvwxyz")
@@ -82,6 +82,8 @@ def strategy_from_name(name: str) -> Strategy:
         return Strategy.query(int(number) / 100)
     if number.isdigit() and name == f"shift{number}":
         return Strategy.shift(int(number) / 100)
+    if number.isdigit() and name == f"queryv{number}":
+        return Strategy.queryv(int(number) / 100)
     halo, _, rest = name.partition("+")
     k = halo.removeprefix("first")
     if rest and k.isdigit() and halo == f"first{k}" and int(k) >= 1:
@@ -92,7 +94,7 @@ def strategy_from_name(name: str) -> Strategy:
             return Strategy.first_k_query(int(k), inner.ratio)
     raise ValueError(f"unknown strategy {name!r} (none, full, first<k>, blend<percent>, "
                      "query<percent>, first<k>+blend<percent>, first<k>+query<percent>, "
-                     "oracle<percent>, progressive<percent>, shift<percent>)")
+                     "oracle<percent>, progressive<percent>, shift<percent>, queryv<percent>)")
 
 
 @dataclass(frozen=True)
