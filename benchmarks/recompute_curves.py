@@ -13,7 +13,7 @@ Arms: ``none``, ``first16``, ``blend<r>``, ``first16+blend<r>``, ``query<r>``,
 selection, CacheBlend's gradual filtering; research only), ``shift<r>`` (query, then each
 copied run's mean K/V deviation added to the tokens it left: ``semkv.research.shift``; research
 only), ``queryv<r>`` (query's attention score weighted by each copied token's value error in
-the probe layers: ``semkv.research.valued``; research only), ``oracle<r>`` (copied tokens
+the probe layers: ``query_valued`` in ``semkv.realize.query``), ``oracle<r>`` (copied tokens
 ranked by their true deviation from the cold KV over every layer: what the best selection of
 single tokens reaches at that share), and the fp8 floor (the cold KV of every prompt token but
 the last rounded through fp8 with ``semkv.realize.fp8.round_fp8``, the engine's ``kv_floor``

@@ -78,14 +78,16 @@ class SemkvConfig(BaseSettings):
     # the measured frontier (docs/frontier.md) the cheapest strategy at the fp8-KV floor's mean
     # KL for cross-instruction and paraphrased lead-in reuse, 4.6x TTFT at 1K tokens.
     recompute_strategy: Literal["none", "first_k", "blend", "first_k_blend", "query",
-                                "first_k_query"] = Field(
+                                "first_k_query", "query_valued"] = Field(
         default="first_k", description=(
             "Realized spans: which copied tokens are recomputed through the model. first_k: "
             "the first recompute_first_k of every copied segment; blend: the copied tokens "
             "whose K/V deviate most on the first recompute_probe_layers layers; query: the "
             "copied tokens the prompt's tail (its last recompute_query_tokens) attends to "
-            "most over the assembled KV, recomputed from layer 0; first_k_blend, "
-            "first_k_query: that selection always holding first_k's tokens."))
+            "most over the assembled KV, recomputed from layer 0; query_valued: query's attention "
+            "weighted by each copied token's value error on the first "
+            "recompute_probe_layers layers; first_k_blend, first_k_query: that selection "
+            "always holding first_k's tokens."))
     recompute_fraction: float = Field(default=0.15, ge=0.0, le=1.0, description=(
         "blend, query: copied tokens recomputed, as a fraction of the prompt's tokens "
         "(capped at the copied tokens; gaps and the tail are computed anyway and not "
@@ -93,8 +95,8 @@ class SemkvConfig(BaseSettings):
     recompute_first_k: int = Field(default=16, ge=1, description=(
         "first_k: tokens recomputed at the start of every copied segment."))
     recompute_probe_layers: int = Field(default=2, ge=1, description=(
-        "blend: first layers computed for every span token to rank the copied ones (below the "
-        "model's layer count, checked at worker start-up)."))
+        "blend, query_valued: first layers computed for every span token to rank the copied "
+        "ones (below the model's layer count, checked at worker start-up)."))
     recompute_query_tokens: int = Field(default=64, ge=1, description=(
         "query: the prompt's last tokens whose attention over the assembled KV ranks the "
         "copied ones (the whole tail after the last copied token is run)."))

@@ -37,7 +37,7 @@ class RecomputeOverride(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     strategy: Literal["none", "first_k", "blend", "first_k_blend", "query",
-                      "first_k_query"] | None = None
+                      "first_k_query", "query_valued"] | None = None
     fraction: float | None = Field(default=None, ge=0.0, le=1.0)
     first_k: int | None = Field(default=None, ge=1)
     probe_layers: int | None = Field(default=None, ge=1)

@@ -234,7 +234,7 @@ def test_a_plan_is_priced_as_the_op_it_becomes_is_measured(kw: dict[str, Any]) -
         assert early.computed == priced.computed and early.attention <= priced.attention
 
 
-@pytest.mark.parametrize("kind", ["query", "first_k_query"])
+@pytest.mark.parametrize("kind", ["query", "first_k_query", "query_valued"])
 def test_query_is_priced_at_the_most_it_may_compute(kind: str) -> None:
     """Its selection is known only after the probe: whatever it picks, the op computes no more
     than the plan was priced at (the probe, the tail after the span, every later gap)."""
@@ -270,6 +270,10 @@ def test_query_is_priced_at_the_most_it_may_compute(kind: str) -> None:
     assert earliest.computed == priced.computed
     # the probe is priced: more than blend's gaps alone (the span's 276 gaps and the tail)
     assert priced.computed > 276 + 60 + take
+    if kind == "query_valued":  # ... and the value probe's 2 layers over the whole span
+        plain = plan_work(plan, RecomputeStrategy("query", fraction=0.15), 700, layers=30,
+                          chunk_tokens=256)
+        assert priced.computed - plain.computed == pytest.approx(2 * 576 / 30)  # in tokens
 
 
 def _side(requests: dict[str, tuple[int, int]], spans: bool = True) -> Any:

@@ -411,23 +411,38 @@ def test_engine_and_research_recompute_the_same_tokens(llm, recorder, research_l
 
 # -- query-aware selection (issue #25: semkv.realize.query) --------------------------------------
 
-def test_engine_and_research_select_the_same_tokens_with_query(llm, recorder, research_lm):
+@pytest.mark.parametrize("selection", [RecomputeKind.QUERY, RecomputeKind.QUERY_VALUED],
+                         ids=lambda k: k.value)
+def test_engine_and_research_select_the_same_tokens_with_query(llm, recorder, research_lm,
+                                                                selection):
     from semkv.research import Strategy
 
     donors, target = rag_cluster(llm, seed=5)
-    out = serve(llm, recorder, donors, target,
-                RecomputeStrategy(RecomputeKind.QUERY, fraction=0.15))
+    out = serve(llm, recorder, donors, target, RecomputeStrategy(selection, fraction=0.15))
     plan, ids = out["plan"], list(out["warm"].prompt_token_ids)
     assert plan.span_tokens < len(ids)  # the question is the tail: vLLM computes it after
-    theirs = research_selection(research_lm, out, Strategy.query(0.15))
+    research = (Strategy.query(0.15) if selection is RecomputeKind.QUERY
+                else Strategy.queryv(0.15))
+    theirs = research_selection(research_lm, out, research)
     mine = list(out["realized"].recomputed)
-    print(f"\nquery 0.15: engine recomputed {len(mine)} of {plan.copied_tokens} copied tokens "
+    print(f"\n{research.name}: engine recomputed {len(mine)} of {plan.copied_tokens} copied tokens "
           f"({len(ids)} prompt tokens), research {len(theirs)}, differing "
           f"{len(set(mine) ^ set(theirs))}; realized in {out['realized'].seconds:.2f} s")
     assert len(mine) == min(plan.copied_tokens, round(0.15 * len(ids)))
     assert out["delta"]["vllm:semkv_span_tokens:recomputed"] == len(mine)
     # two fp32 implementations rank by attention sums: a near-tie may swap, nothing more
     assert len(set(mine) ^ set(theirs)) <= max(2, len(mine) // 50)
+
+
+def test_query_valued_recomputing_every_copied_token_equals_cold(llm, recorder):
+    donors, target = rag_cluster(llm, seed=31)
+    out = serve(llm, recorder, donors, target,
+                RecomputeStrategy(RecomputeKind.QUERY_VALUED, fraction=1.0))
+    s, plan = summary(out["warm"]), out["plan"]
+    assert s["provenance"] == "request_only_semantic_reuse", s
+    assert list(out["realized"].recomputed) == copied(plan)
+    assert out["warm"].outputs[0].token_ids == out["cold"].outputs[0].token_ids, \
+        diagnose(llm, out["realized"])
 
 
 @pytest.mark.parametrize("calls", [3, 40])

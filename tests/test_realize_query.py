@@ -1,4 +1,4 @@
-"""Query-aware selection (``semkv.realize.query``: the ``query`` and ``first_k_query`` strategies).
+"""Query-aware selection (``semkv.realize.query``: ``query``, ``first_k_query``, ``query_valued``).
 
 - The runners' attention accumulator is the model's own attention (transformers' eager
   ``output_attentions``), summed over layers, heads and the scored queries.
@@ -82,19 +82,20 @@ def test_the_attention_accumulator_is_the_models_own_attention(lm) -> None:
 
 
 @pytest.mark.parametrize("fraction", [0.1, 0.25, 1.0])
-@pytest.mark.parametrize("kind", ["query", "first_k_query"])
+@pytest.mark.parametrize("kind", ["query", "first_k_query", "query_valued"])
 def test_engine_and_research_select_the_same_positions(lm, case, kind, fraction) -> None:
     target, plan, store = case
     strategy = RecomputeStrategy(RecomputeKind(kind), fraction=fraction, first_k=4,
                                  query_tokens=16)
     mine = engine_style_recomputed(lm, target, plan, store, strategy)
-    research = (Strategy.query(fraction, 16) if kind == "query"
-                else Strategy.first_k_query(4, fraction, 16))
+    research = {"query": Strategy.query(fraction, 16),
+                "first_k_query": Strategy.first_k_query(4, fraction, 16),
+                "query_valued": Strategy.queryv(fraction, 16)}[kind]
     assert mine == research_recomputed(lm, target, plan, store, research)
     take = budget(strategy, len(target), plan.copied_tokens)
     runs = [(s.target_start, s.length) for s in plan.segments if s.donor_id is not None]
     halo = {start + i for start, length in runs for i in range(min(4, length))}
-    if kind == "query":
+    if kind != "first_k_query":
         assert len(mine) == take
     else:
         assert halo <= set(mine) and len(mine) == max(len(halo), take)
@@ -155,7 +156,7 @@ def test_the_tail_travels_with_the_op_only_for_query() -> None:
 
 def test_query_names_round_trip() -> None:
     for strategy in (Strategy.query(0.15), Strategy.first_k_query(16, 0.3),
-                     Strategy.first_k_blend(16, 0.15)):
+                     Strategy.first_k_blend(16, 0.15), Strategy.queryv(0.2)):
         assert strategy_from_name(strategy.name) == strategy
     with pytest.raises(ValueError):
         strategy_from_name("first16+oracle15")
@@ -175,7 +176,7 @@ def test_query_at_fraction_one_equals_cold_on_every_cluster_type(bundled, kind) 
     plan = plan_reuse(target, store.token_map(), chunk_tokens=32)
     assert plan.reused_tokens > 0, f"{kind}: the plan reuses nothing (nothing to test)"
     _, cold = bundled.full_prefill(target, all_logits=False)
-    for strategy in (Strategy.query(1.0), Strategy.first_k_query(16, 1.0)):
+    for strategy in (Strategy.query(1.0), Strategy.first_k_query(16, 1.0), Strategy.queryv(1.0)):
         result = prefill(bundled, target, plan, store, strategy)
         assert result.reused_tokens == 0, strategy.name
         assert torch.allclose(result.logits, cold[-1], atol=LOGIT_ATOL), strategy.name

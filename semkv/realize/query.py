@@ -1,9 +1,9 @@
 """Query-aware selection: the copied tokens the prompt's question reads, recomputed from layer 0.
 
-The ``query`` and ``first_k_query`` strategies of ``semkv.realize.recompute`` (ProphetKV-like,
-training-free, the engine's own weights). Both runners call it through ``recompute_steps``:
-research realizes the whole prompt, the engine's worker one external span with the prompt's
-tail after it supplied too (``needed_positions``, ``cache_tokens``).
+The ``query``, ``first_k_query`` and ``query_valued`` strategies of ``semkv.realize.recompute``
+(ProphetKV-like, training-free, the engine's own weights). Both runners call it through
+``recompute_steps``: research realizes the whole prompt, the engine's worker one external span
+with the prompt's tail after it supplied too (``needed_positions``, ``cache_tokens``).
 
 Two stages over the assembled cache (copied runs placed, keys re-rotated):
 
@@ -14,7 +14,11 @@ Two stages over the assembled cache (copied runs placed, keys re-rotated):
    heads, queries and layers; over tensor-parallel ranks with ``reduce``) scores the copied
    positions: what the answer reads, rather than what deviates most (CacheBlend's proxy,
    which spends the budget on salient tokens the question never reads: ProphetKV's
-   "crowding-out").
+   "crowding-out"). ``query_valued`` first computes the first ``probe_layers`` layers for every
+   position of ``positions`` (CacheBlend's probe: their fresh KV stays) and multiplies a copied
+   position's score by its value error there (the norm of fresh minus reused values in the
+   last probe layer, summed over heads and ranks): to first order, what a reused token puts
+   wrong into what the question reads is the attention it gets times its value error.
 2. Recompute. The top ``budget`` copied positions (``first_k_query``: always holding the
    first ``first_k`` of every run, the halo after a seam, which count against it; ties: the
    earlier position) are computed from layer 0 through every layer, together with every
@@ -67,14 +71,33 @@ def _run(runner: LayerRunner, cache: KVCache, token_ids: Mapping[int, int], at: 
     return hidden
 
 
+def value_error(runner: LayerRunner, cache: KVCache, positions: range, copied: list[int],
+                token_ids: Mapping[int, int], probe_layers: int,
+                reduce: Callable[[torch.Tensor], torch.Tensor] | None, max_tokens: int | None,
+                ) -> Generator[int, None, torch.Tensor]:
+    """``query_valued``'s weight per cache position (CPU, fp32): a copied position's value
+    error in the last of the first ``probe_layers`` layers; 0 elsewhere. Those layers are
+    computed for every position of ``positions`` in place, as blend's probe: their fresh KV
+    stays (exact there)."""
+    probe = min(probe_layers, runner.num_layers)
+    lo, hi = positions.start, positions.stop
+    reused = cache.values[probe - 1][0, :, lo:hi].clone()
+    yield from _run(runner, cache, token_ids, list(positions), range(probe), max_tokens)
+    error = (cache.values[probe - 1][0, :, lo:hi] - reused).float().norm(dim=2).sum(dim=0)
+    del reused
+    if reduce is not None:
+        error = reduce(error)
+    weight = torch.zeros(cache.capacity, dtype=torch.float32)
+    at = torch.tensor(copied, dtype=torch.long)
+    weight[at] = error.cpu()[at - lo]
+    return weight
+
+
 def query_select(runner: LayerRunner, cache: KVCache, positions: range, runs: Runs,
                  token_ids: Mapping[int, int], strategy: RecomputeStrategy, prompt_tokens: int,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None, max_tokens: int | None,
-                 *, weight: torch.Tensor | None = None,
                  ) -> Generator[int, None, Recomputed]:
-    """The two stages of the module docstring, one layer call per yield. ``weight`` (per
-    cache position, on the CPU) multiplies the attention score before ranking: research's
-    ``queryv`` weighs it by each copied token's value deviation (``semkv.research.valued``)."""
+    """The two stages of the module docstring, one layer call per yield."""
     layers = range(runner.num_layers)
     copied = copied_positions(runs)
     copied_set = set(copied)
@@ -82,9 +105,14 @@ def query_select(runner: LayerRunner, cache: KVCache, positions: range, runs: Ru
         gaps = list(positions)
         hidden = yield from _run(runner, cache, token_ids, gaps, layers, max_tokens)
         return Recomputed(hidden, [(layers, gaps)], [])
+    passes: Passes = []
+    weight = None
+    if strategy.kind.weighs:
+        weight = yield from value_error(runner, cache, positions, copied, token_ids,
+                                        strategy.probe_layers, reduce, max_tokens)
+        passes.append((range(min(strategy.probe_layers, runner.num_layers)), list(positions)))
     tail = tail_positions(runs, prompt_tokens)
     before = [p for p in positions if p not in copied_set and p < tail.start]
-    passes: Passes = []
     yield from _run(runner, cache, token_ids, before, layers, max_tokens)
     if before:
         passes.append((layers, before))

@@ -31,6 +31,7 @@ class RecomputeKind(str, Enum):
     FIRST_K_BLEND = "first_k_blend"
     QUERY = "query"
     FIRST_K_QUERY = "first_k_query"
+    QUERY_VALUED = "query_valued"
 
     @property
     def probes(self) -> bool:
@@ -40,7 +41,14 @@ class RecomputeKind(str, Enum):
     @property
     def queries(self) -> bool:
         """Query probe: the prompt's tail run over the assembled KV (``semkv.realize.query``)."""
-        return self in (RecomputeKind.QUERY, RecomputeKind.FIRST_K_QUERY)
+        return self in (RecomputeKind.QUERY, RecomputeKind.FIRST_K_QUERY,
+                        RecomputeKind.QUERY_VALUED)
+
+    @property
+    def weighs(self) -> bool:
+        """Query's attention weighted by each copied token's value error in the first
+        ``probe_layers`` layers, computed for every position first (``semkv.realize.query``)."""
+        return self is RecomputeKind.QUERY_VALUED
 
     @property
     def selects(self) -> bool:

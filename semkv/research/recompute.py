@@ -66,7 +66,6 @@ from semkv.realize.recompute import (
 from semkv.research.assembly import NO_SOURCE, ReusePlan, Segment, assemble
 from semkv.research.donors import DonorStore
 from semkv.research.shift import shifted_query
-from semkv.research.valued import valued_query
 from semkv.span_plan import SpanPlan
 
 __all__ = ["DEFAULT_PROBE_LAYERS", "PrefillResult", "Strategy", "StrategyKind", "plan_of_span",
@@ -84,7 +83,7 @@ class StrategyKind(str, Enum):
     ORACLE = "oracle"
     PROGRESSIVE = "progressive"
     SHIFT = "shift"
-    QUERYV = "queryv"
+    QUERY_VALUED = "query_valued"  # named queryv<percent>
 
 
 @dataclass(frozen=True)
@@ -159,7 +158,7 @@ class Strategy:
                probe_layers: int = DEFAULT_PROBE_LAYERS) -> Strategy:
         if not 0.0 <= ratio <= 1.0 or query_tokens < 1 or probe_layers < 1:
             raise ValueError("queryv needs 0 <= ratio <= 1, query_tokens >= 1, probe_layers >= 1")
-        return cls(StrategyKind.QUERYV, ratio=ratio, query_tokens=query_tokens,
+        return cls(StrategyKind.QUERY_VALUED, ratio=ratio, query_tokens=query_tokens,
                    probe_layers=probe_layers)
 
     @property
@@ -180,7 +179,7 @@ class Strategy:
             return f"progressive{round(self.ratio * 100)}"
         if self.kind is StrategyKind.SHIFT:
             return f"shift{round(self.ratio * 100)}"
-        if self.kind is StrategyKind.QUERYV:
+        if self.kind is StrategyKind.QUERY_VALUED:
             return f"queryv{round(self.ratio * 100)}"
         return str(self.kind.value)
 
@@ -218,7 +217,7 @@ class PrefillResult:
 def shared(strategy: Strategy) -> RecomputeStrategy:
     """The engine-shared strategy (``semkv.realize.recompute``) for a research strategy."""
     if strategy.kind in (StrategyKind.FULL, StrategyKind.ORACLE, StrategyKind.PROGRESSIVE,
-                         StrategyKind.SHIFT, StrategyKind.QUERYV):
+                         StrategyKind.SHIFT):
         raise ValueError(f"{strategy.kind.value} is research's own, not a shared strategy")
     return RecomputeStrategy(RecomputeKind(strategy.kind.value), fraction=strategy.ratio,
                              first_k=max(1, strategy.first_k),
@@ -251,11 +250,6 @@ def prefill(
         hidden, passes = shifted_query(lm, target, runs(plan), cache, strategy.ratio,
                                        strategy.query_tokens)
         return PrefillResult(cache, lm.logits(hidden)[-1], n, passes)
-    if strategy.kind is StrategyKind.QUERYV:
-        done = valued_query(lm, target, runs(plan), cache, strategy.ratio, strategy.query_tokens,
-                            strategy.probe_layers)
-        assert done.hidden is not None  # the last prompt token is never copied: always computed
-        return PrefillResult(cache, lm.logits(done.hidden[:, -1:])[-1], n, done.passes)
     # The selection and layered execution are the engine's own (semkv.realize.recompute): every
     # position is realized here, the plan's segments are the copied runs, n the prompt tokens.
     done = recompute(lm, cache, range(n), runs(plan), dict(enumerate(target)), shared(strategy),

@@ -1,12 +1,14 @@
-"""``queryv`` (research only, ``semkv.research.valued``): the question's attention weighted by
-each copied token's value error in the probe layers.
+"""``query_valued`` (``semkv.realize.query``; research's ``queryv<percent>``): the question's
+attention weighted by each copied token's value error in the probe layers.
 
-- The weights are exactly the cold prefill's values minus the reused ones in the last probe
-  layer (its norm, summed over heads) at copied positions, 0 elsewhere; the cache is untouched.
-- The weight reaches the engine's selection: ones change nothing against ``query``; a weight
-  that zeroes some copied tokens keeps them out while others are left.
+- The weight is exactly the cold prefill's values minus the reused ones in the last probe
+  layer (its norm, summed over heads) at copied positions, 0 elsewhere; the probe leaves the
+  fresh KV in its layers for the positions it ran and nothing else changes.
+- A run reused exactly (no value error) is never picked while a run reused with error has
+  tokens left, though the question's attention alone picks from it.
 - At 1.0 every copied token is recomputed: the cold prefill (bundled model, RAG and reordered
-  chunks); below it the weighted ranking picks other tokens than ``query``.
+  chunks; every cluster type in ``tests/test_realize_query.py``); below it the weighted ranking
+  picks other tokens than ``query``. Engine and research select alike there too.
 
 A tiny random Llama (fp32) where no trained model is needed; the bundled SmolLM2 otherwise.
 """
@@ -20,15 +22,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from semkv.realize.query import query_select  # noqa: E402
+from semkv.realize.query import query_select, value_error  # noqa: E402
 from semkv.realize.recompute import RecomputeKind, RecomputeStrategy  # noqa: E402
 from semkv.research import LayerwiseModel, Strategy, plan_reuse, prefill  # noqa: E402
 from semkv.research.study import strategy_from_name  # noqa: E402
-from semkv.research.valued import value_weights  # noqa: E402
 from tests.bundled_lm import bundled_layerwise_model, eval_cluster  # noqa: E402
 from tests.tiny_model import tiny_llama  # noqa: E402
 
 LOGIT_ATOL = 1e-3
+N = 40
 
 
 @pytest.fixture(scope="module")
@@ -37,16 +39,16 @@ def lm() -> Iterator[LayerwiseModel]:
         yield model
 
 
-def _assembled(lm: LayerwiseModel, target: list[int], runs: list[tuple[int, int]]):
-    """The cold cache with the copied runs' KV replaced by noise-shifted KV (reused, off)."""
+def _assembled(lm: LayerwiseModel, target: list[int], noisy: list[tuple[int, int]]):
+    """The cold cache with the ``noisy`` runs' KV shifted by noise (reused with error)."""
     cache, _ = lm.full_prefill(target, all_logits=False)
     cold = cache.clone()
     gen = torch.Generator().manual_seed(5)
-    for start, length in runs:
+    for start, length in noisy:
         for part in (cache.keys, cache.values):
             for layer in part:
-                noise = torch.randn(layer[0][:, start:start + length].shape, generator=gen)
-                layer[0][:, start:start + length] += 0.5 * noise
+                shape = layer[0][:, start:start + length].shape
+                layer[0][:, start:start + length] += 0.5 * torch.randn(shape, generator=gen)
     return cache, cold
 
 
@@ -58,42 +60,50 @@ def _drain(steps):
             return finished.value
 
 
-def test_value_weights_are_the_last_probe_layers_value_error_at_copied_positions(lm) -> None:
-    target = [(7 * i + 3) % 90 + 5 for i in range(36)]
-    runs = [(4, 10), (18, 12)]
+def _target() -> list[int]:
+    return [(11 * i + 2) % 90 + 5 for i in range(N)]
+
+
+def test_value_error_is_the_last_probe_layers_value_error_at_copied_positions(lm) -> None:
+    target, runs = _target(), [(4, 10), (18, 12)]
     cache, cold = _assembled(lm, target, runs)
     before = cache.clone()
+    copied = [p for s, n in runs for p in range(s, s + n)]
 
-    weight = value_weights(lm, cache, target, runs, probe_layers=2)
+    weight = _drain(value_error(lm, cache, range(N), copied, dict(enumerate(target)), 2, None,
+                                None))
 
     expected = (cold.values[1][0] - before.values[1][0]).norm(dim=2).sum(dim=0)
-    copied = [p for s, n in runs for p in range(s, s + n)]
-    for p in range(cache.capacity):
+    for p in range(N):
         want = float(expected[p]) if p in copied else 0.0
         assert abs(float(weight[p]) - want) < 1e-4 * max(1.0, want), p
     assert all(float(weight[p]) > 0 for p in copied)
-    for part, old in ((cache.keys, before.keys), (cache.values, before.values)):
-        assert all(torch.equal(a, b) for a, b in zip(part, old, strict=True))
+    for layer in range(lm.num_layers):  # fresh KV in the probe layers, nothing above moved
+        for part, was, fresh in ((cache.keys, before.keys, cold.keys),
+                                 (cache.values, before.values, cold.values)):
+            if layer < 2:
+                assert torch.allclose(part[layer], fresh[layer], atol=1e-4), layer
+            else:
+                assert torch.equal(part[layer], was[layer]), layer
 
 
-def test_the_weight_steers_the_engines_query_selection(lm) -> None:
-    target = [(11 * i + 2) % 90 + 5 for i in range(40)]
-    runs = [(2, 14), (18, 14)]
-    strategy = RecomputeStrategy(RecomputeKind.QUERY, fraction=0.2, query_tokens=4)
+def test_an_exactly_reused_run_is_not_picked_while_one_with_error_has_tokens_left(lm) -> None:
+    target, noisy, exact = _target(), (2, 16), (20, 16)
+    runs = [noisy, exact]
     tokens = dict(enumerate(target))
 
-    def select(weight):
-        cache, _ = _assembled(lm, target, runs)
-        return _drain(query_select(lm, cache, range(40), runs, tokens, strategy, 40, None, None,
-                                   weight=weight)).recomputed
+    def select(kind: RecomputeKind) -> list[int]:
+        cache, _ = _assembled(lm, target, [noisy])
+        strategy = RecomputeStrategy(kind, fraction=0.2, query_tokens=4)
+        return _drain(query_select(lm, cache, range(N), runs, tokens, strategy, N, None,
+                                   None)).recomputed
 
-    plain = select(None)
-    assert len(plain) == 8  # 20 % of 40 prompt tokens
-    assert select(torch.ones(40)) == plain
-    shut = torch.ones(40)
-    shut[torch.tensor(plain)] = 0.0
-    steered = select(shut)
-    assert len(steered) == 8 and not set(steered) & set(plain)
+    in_exact = set(range(exact[0], exact[0] + exact[1]))
+    plain = select(RecomputeKind.QUERY)
+    assert set(plain) & in_exact, plain  # the question's attention alone reads the exact run
+    valued = select(RecomputeKind.QUERY_VALUED)
+    assert len(valued) == len(plain) == 8  # 20 % of 40 prompt tokens
+    assert not set(valued) & in_exact, valued
 
 
 def test_queryv_names_round_trip() -> None:
