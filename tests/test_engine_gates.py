@@ -4,7 +4,7 @@ One engine, ``materialize_semantic`` with nothing else about reuse set: the veri
 realized spans and ``gate_policy: auto`` are the defaults, so the policy semkv ships for the
 bundled model decides (``semkv/policies/``: ``one_donor_in_order`` served with ``first_k_blend``,
 ``one_donor_reordered`` with ``query`` at 15 % from 3,561 prompt tokens, ``multi_donor`` with
-``query`` at 50 % from 3,933, ``gap_dominated`` refused).
+``query_valued`` at 40 % from 3,933, ``gap_dominated`` refused).
 The engine's own ``recompute_strategy`` is ``none``: a served span that recomputes tokens shows
 the policy's strategy, not the engine's, was used.
 
@@ -145,17 +145,17 @@ def test_reordered_chunks_from_the_certified_length_are_served_with_query(runs) 
     assert s["span"]["recomputed"] == round(0.15 * cold.prompt_tokens), s["span"]
 
 
-def test_rag_from_the_certified_length_is_served_with_query_at_half(runs) -> None:  # noqa: ANN001
+def test_rag_from_the_certified_length_is_served_with_query_valued_at_40(runs) -> None:  # noqa: ANN001
     """The 768-token RAG target above is refused; one of ~4K tokens (at least the 3,933 the
-    class is certified from) is served with the policy's query-aware strategy at 50 %."""
+    class is certified from) is served with the policy's value-weighted query strategy at 40 %."""
     cold, sent = runs["rag_long"]
     s = sent.summary
     assert cold.prompt_tokens >= 3933, cold.prompt_tokens
     assert s["provenance"] == "request_only_semantic_reuse", s
     assert s["span"]["class"] == "multi_donor" and s["span_refused"] is None
     assert s["span"]["donors"] >= 2, s["span"]
-    # the engine's strategy is none: query50 recomputed half of the prompt's tokens
-    assert s["span"]["recomputed"] == round(0.5 * cold.prompt_tokens), s["span"]
+    # the engine's strategy is none: queryv40 recomputed 40 % of the prompt's tokens
+    assert s["span"]["recomputed"] == round(0.4 * cold.prompt_tokens), s["span"]
 
 
 def test_every_refusal_is_counted_by_reason_and_class(runs) -> None:  # noqa: ANN001

@@ -445,15 +445,18 @@ def test_query_valued_recomputing_every_copied_token_equals_cold(llm, recorder):
         diagnose(llm, out["realized"])
 
 
-@pytest.mark.parametrize("calls", [3, 40])
-def test_a_query_probe_failing_midway_leaves_nothing_and_ends_cold(llm, recorder, calls):
+@pytest.mark.parametrize(("strategy", "calls"),
+                         [("query", 3), ("query", 40), ("query_valued", 3)])
+def test_a_query_probe_failing_midway_leaves_nothing_and_ends_cold(llm, recorder, strategy,
+                                                                   calls):
     """``calls`` layer calls in: inside the probe's first stage, then inside its tail (the
-    realization's dense cache holds probe KV for positions the request's blocks will hold)."""
+    realization's dense cache holds probe KV for positions the request's blocks will hold);
+    ``query_valued``: after its value probe began (the first layers computed in place)."""
     donors, target = rag_cluster(llm, seed=23)
     cold = cold_then_donors(llm, donors, target)
     os.environ[FAULT_AFTER_CALLS] = str(calls)
     try:
-        warm = run(llm, target, recompute={"strategy": "query", "fraction": 0.15})
+        warm = run(llm, target, recompute={"strategy": strategy, "fraction": 0.15})
     finally:
         os.environ.pop(FAULT_AFTER_CALLS)
     s = summary(warm)

@@ -167,11 +167,11 @@ def test_the_class_gate_lays_the_classes_strategy_over_the_engines(bundled_ident
     assert gate.strategy(reordered, engine, 1024) is FallbackReason.UNCERTIFIED_CLASS
     assert gate.strategy(reordered, engine, 4096) == RecomputeStrategy(
         RecomputeKind.QUERY, fraction=0.15, first_k=4, probe_layers=3)
-    # multi-passage RAG: certified with query50 from 3,933 tokens (docs/frontier.md, 4K)
+    # multi-passage RAG: certified with queryv40 from 3,933 tokens (docs/frontier.md, 4K)
     rag = PlanClass.MULTI_DONOR
     assert gate.strategy(rag, engine, 3932) is FallbackReason.UNCERTIFIED_CLASS
     assert gate.strategy(rag, engine, 4096) == RecomputeStrategy(
-        RecomputeKind.QUERY, fraction=0.5, first_k=4, probe_layers=3)
+        RecomputeKind.QUERY_VALUED, fraction=0.4, first_k=4, probe_layers=3)
     ungated = ClassGate.from_config(SemkvConfig.load({"gate_policy": "ungated"}), None)
     assert all(ungated.strategy(c, engine, 100) == engine for c in PlanClass)
 

@@ -109,6 +109,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "realized:query50": {"strategy": "query", "fraction": 0.50},  # where RAG reaches the floor
     "realized:queryv15": {"strategy": "query_valued", "fraction": 0.15},
     "realized:queryv30": {"strategy": "query_valued", "fraction": 0.30},
+    "realized:queryv40": {"strategy": "query_valued", "fraction": 0.40},
     "realized:first_k16+query15": {"strategy": "first_k_query", "first_k": 16,
                                    "fraction": 0.15},
 }
