@@ -73,9 +73,9 @@ def _passes(layers: int, positions: range, runs: Runs, recompute: RecomputeStrat
     """(layers, positions) computed: the strategy's choice, as ``recompute_steps`` runs it.
     ``first`` (query): where its stage 2 starts (default: the first of ``top``)."""
     if recompute.kind.queries and len(positions) and runs:
-        probe = [(min(recompute.probe_layers, layers), list(positions))] if (
+        value_probe = [(min(recompute.probe_layers, layers), list(positions))] if (
             recompute.kind.weighs) else []
-        return probe + _query_passes(layers, positions, runs, top, prompt_tokens, first)
+        return value_probe + _query_passes(layers, positions, runs, top, prompt_tokens, first)
     if not recompute.kind.probes or not len(positions):
         return [(layers, needed_positions(positions, runs, recompute))]
     probe = min(recompute.probe_layers, layers)
