@@ -82,6 +82,12 @@ class RecomputeStrategy:
         if self.query_tokens < 1:
             raise ValueError("query_tokens must be >= 1")
 
+    @property
+    def held_probe_layers(self) -> int:
+        """Layers whose reused K/V a probe keeps while it runs (the memory admission's
+        ``probe_layers``): blend's and ``query_valued``'s, 0 for the others."""
+        return self.probe_layers if self.kind.probes or self.kind.weighs else 0
+
 
 @dataclass
 class Recomputed:

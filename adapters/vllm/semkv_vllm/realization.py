@@ -97,8 +97,7 @@ def op_working_set(geometry: Geometry, op: RealizeOp, block_size: int) -> int:
         geometry, span_tokens=op.span_tokens, local_tokens=op.local_tokens,
         read_rows=op.local_tokens + block_size * sum(len(c.slots) for c in op.copies),
         computed=len(op.token_positions),
-        probe_layers=(op.recompute.probe_layers
-                      if op.recompute.kind.probes or op.recompute.kind.weighs else 0),
+        probe_layers=op.recompute.held_probe_layers,
         chunk_tokens=op.max_chunk_tokens, cache_tokens=op_cache_tokens(op))
 
 

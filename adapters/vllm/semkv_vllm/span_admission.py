@@ -129,8 +129,7 @@ def plan_working_set(budget: Budget, plan: SpanPlan, recompute: RecomputeStrateg
     computed = len(needed_positions(positions, runs, recompute, prompt_tokens))
     return working_set(budget.geometry, span_tokens=plan.span_tokens, local_tokens=local,
                        read_rows=local + blocks * bs, computed=computed,
-                       probe_layers=(recompute.probe_layers
-                                     if recompute.kind.probes or recompute.kind.weighs else 0),
+                       probe_layers=recompute.held_probe_layers,
                        chunk_tokens=budget.chunk_tokens,
                        cache_tokens=cache_tokens(positions, runs, recompute, prompt_tokens))
 
