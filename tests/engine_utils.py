@@ -1,16 +1,26 @@
-"""One real vLLM CPU engine per test module, on the bundled SmolLM2 model.
+"""Real vLLM CPU engines for the tests, on the bundled SmolLM2 model.
+
+Modules take an engine from the session's ``EnginePool`` (the ``engines`` fixture,
+tests/conftest.py): one engine per configuration, shared by every module that asks for the
+same one (an engine start costs ~30 s), reset (vLLM's prefix cache and the connector: donors,
+provider, store) each time it is handed out. ``engine()`` builds a private one, for a test about
+start-up or one that needs a configuration of its own for a moment.
 
 NOTE: engines run with ``enforce_eager=True`` (no torch.compile warm-up: ~1 minute to start
 instead of ~4 on a fresh machine) and ``block_size=32``; every comparison in a module is made
 on the same engine, so these settings never mix into a result.
+NOTE: counters (``semkv_metrics``) of a shared engine carry earlier modules' requests: a test
+reads deltas, never absolute values.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import sys
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +32,20 @@ CONNECTOR = {
 }
 BLOCK = 32
 RESIDENT_SEQS = 3
+COMMIT_POLICY = "semkv_vllm.commit_policy.CommitPolicyScheduler"
+# Realized spans' mechanics (tests/test_engine_realization.py, _lifecycle.py,
+# _long_realization.py share this in-process engine): every plan class served and unpriced,
+# every hit a realization (the exact tier's smallest span is above any prompt), copies kept
+# as they are unless a request's options choose a recompute strategy, a realization's working
+# set bounded at 512 MiB, prompts up to 8K tokens with two such requests resident.
+MECHANICS = {"provider": "minhash", "semantic_mode": "materialize_semantic",
+             "semantic_tiers": ["verified"], "realize_spans": True,
+             "gate_policy": "ungated", "realize_min_gain": 0.0,
+             "min_reuse_tokens": 100_000, "verified_min_reuse_tokens": 64,
+             "lookup_timeout_ms": 10_000, "provider_config": {"threshold": 0.1},
+             "request_options": True, "recompute_strategy": "none",
+             "realize_memory_bytes": 512 << 20}
+MECHANICS_MAX_MODEL_LEN = 8192
 IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # Packages whose module objects break vLLM's start-up scan of sys.modules (its kernel dispatcher
 # reads vars() of every module attribute; llvmlite's ffi wrappers return no dict). lmcache
@@ -43,6 +67,7 @@ def in_process() -> Iterator[None]:
     import torch
     import vllm.envs
 
+    POOL.release_in_process()  # vLLM's connector agent is process-global: one such engine
     before, threads = os.environ.get(IN_PROCESS), torch.get_num_threads()
     os.environ[IN_PROCESS] = "0"
     try:
@@ -75,8 +100,7 @@ def _scan_safe() -> Iterator[None]:
         sys.modules.update(hidden)
 
 
-@contextlib.contextmanager
-def engine(extra_config: dict[str, Any] | None, **overrides: Any) -> Iterator[Any]:
+def _build_llm(extra_config: dict[str, Any] | None, overrides: dict[str, Any]) -> Any:
     from vllm import LLM
 
     from semkv.bundled_model import ensure_model
@@ -95,16 +119,117 @@ def engine(extra_config: dict[str, Any] | None, **overrides: Any) -> Iterator[An
     args.setdefault("kv_cache_memory_bytes", bundled_kv_cache_bytes(
         max_model_len=args["max_model_len"], max_num_seqs=RESIDENT_SEQS,
         block_size=args["block_size"]))
+    return LLM(**args)
+
+
+def _shutdown(llm: Any) -> None:
+    core = getattr(llm.llm_engine, "engine_core", None)
+    with contextlib.suppress(Exception):
+        core.shutdown()  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def engine(extra_config: dict[str, Any] | None, **overrides: Any) -> Iterator[Any]:
+    """A private engine for the block (``EnginePool`` shares one across modules)."""
     with _scan_safe():
-        llm = LLM(**args)
+        llm = _build_llm(extra_config, overrides)
     try:
         yield llm
     finally:
-        core = getattr(llm.llm_engine, "engine_core", None)
-        with contextlib.suppress(Exception):
-            core.shutdown()  # type: ignore[union-attr]
+        _shutdown(llm)
         del llm
         gc.collect()
+
+
+class EnginePool:
+    """Engines shared across test modules: one per configuration, at most ``keep`` alive.
+
+    ``get`` hands out the engine built for the same arguments (building it if needed, after
+    shutting down the least recently used one past ``keep``), with vLLM's prefix cache and the
+    connector reset, so a module starts from an empty engine whichever module used it before.
+
+    NOTE: at most one in-process engine lives at a time (vLLM keeps the KV connector agent
+    in a process global); ``in_process()`` shuts the pool's down before a private one starts.
+    NOTE: ``in_process`` engines are built with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which vLLM
+    reads only while building an engine: the variable is restored right after, so the pool can
+    build multiprocess engines while an in-process one lives.
+    """
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._live: OrderedDict[str, tuple[Any, bool, int]] = OrderedDict()
+
+    def get(self, extra_config: dict[str, Any] | None, *, in_process: bool = False,
+            **overrides: Any) -> Any:
+        key = json.dumps([extra_config, in_process, overrides], sort_keys=True, default=str)
+        if key in self._live:
+            self._live.move_to_end(key)
+            llm = self._live[key][0]
+            assert llm.reset_prefix_cache(reset_connector=True), "a shared engine was busy"
+            return llm
+        if in_process:
+            self.release_in_process()
+        while len(self._live) >= self.keep:
+            self._close(next(iter(self._live)))
+        llm, threads = self._build(extra_config, in_process, overrides)
+        self._live[key] = (llm, in_process, threads)
+        return llm
+
+    def release_in_process(self) -> None:
+        for key in [k for k, (_, inproc, _) in self._live.items() if inproc]:
+            self._close(key)
+
+    def close(self) -> None:
+        while self._live:
+            self._close(next(iter(self._live)))
+
+    @staticmethod
+    def _build(extra_config: dict[str, Any] | None, in_process: bool,
+               overrides: dict[str, Any]) -> tuple[Any, int]:
+        import torch
+        import vllm.envs
+
+        threads = torch.get_num_threads()
+        before = os.environ.get(IN_PROCESS)
+        if in_process:
+            os.environ[IN_PROCESS] = "0"
+        try:
+            with _scan_safe():
+                return _build_llm(extra_config, overrides), threads
+        finally:
+            if before is None:
+                os.environ.pop(IN_PROCESS, None)
+            else:
+                os.environ[IN_PROCESS] = before
+            vllm.envs.disable_envs_cache()
+
+    def _close(self, key: str) -> None:
+        import torch
+
+        llm, inproc, threads = self._live.pop(key)
+        _shutdown(llm)
+        del llm
+        gc.collect()
+        if inproc:
+            torch.set_num_threads(threads)
+            with contextlib.suppress(Exception):
+                from vllm.distributed.kv_transfer import kv_transfer_state
+
+                kv_transfer_state.ensure_kv_transfer_shutdown()
+
+
+POOL = EnginePool()
+
+
+def mechanics_engine(pool: EnginePool) -> Any:
+    """The shared in-process engine of ``MECHANICS``."""
+    from semkv.kv_sizing import bundled_kv_cache_bytes
+
+    return pool.get(MECHANICS, in_process=True, scheduler_cls=COMMIT_POLICY,
+                    max_model_len=MECHANICS_MAX_MODEL_LEN, max_num_batched_tokens=1024,
+                    kv_cache_memory_bytes=bundled_kv_cache_bytes(
+                        max_model_len=MECHANICS_MAX_MODEL_LEN, max_num_seqs=2,
+                        block_size=BLOCK))
 
 
 def greedy(llm: Any, prompts: list[str], max_tokens: int = 16) -> list[Any]:
