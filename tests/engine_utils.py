@@ -128,17 +128,59 @@ def _shutdown(llm: Any) -> None:
         core.shutdown()  # type: ignore[union-attr]
 
 
+def _start(extra_config: dict[str, Any] | None, in_process: bool,
+           overrides: dict[str, Any]) -> tuple[Any, int]:
+    """(the engine, torch's thread count before it). ``in_process``: built with
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which vLLM reads only while it builds an engine, so
+    the variable is restored right after (a later engine starts as its caller asks)."""
+    import torch
+    import vllm.envs
+
+    threads = torch.get_num_threads()
+    before = os.environ.get(IN_PROCESS)
+    if in_process:
+        POOL.release_in_process()  # vLLM's connector agent is process-global: one such engine
+        os.environ[IN_PROCESS] = "0"
+    try:
+        with _scan_safe():
+            return _build_llm(extra_config, overrides), threads
+    finally:
+        if in_process:
+            if before is None:
+                os.environ.pop(IN_PROCESS, None)
+            else:
+                os.environ[IN_PROCESS] = before
+            vllm.envs.disable_envs_cache()
+
+
+def _stop(llm: Any, in_process: bool, threads: int) -> None:
+    import torch
+
+    _shutdown(llm)
+    del llm
+    gc.collect()
+    if in_process:
+        torch.set_num_threads(threads)
+        with contextlib.suppress(Exception):
+            from vllm.distributed.kv_transfer import kv_transfer_state
+
+            kv_transfer_state.ensure_kv_transfer_shutdown()
+
+
 @contextlib.contextmanager
-def engine(extra_config: dict[str, Any] | None, **overrides: Any) -> Iterator[Any]:
-    """A private engine for the block (``EnginePool`` shares one across modules)."""
-    with _scan_safe():
-        llm = _build_llm(extra_config, overrides)
+def engine(extra_config: dict[str, Any] | None, *, in_process: bool = False,
+           **overrides: Any) -> Iterator[Any]:
+    """A private engine for the block (``EnginePool`` shares one across modules).
+
+    ``in_process``: the engine core runs in this process: it starts in ~3 s instead of ~18 s
+    (no engine-core process to spawn and import vLLM into). Engines of tests about processes
+    (replicas, tensor-parallel ranks, a server) stay in their own.
+    """
+    llm, threads = _start(extra_config, in_process, overrides)
     try:
         yield llm
     finally:
-        _shutdown(llm)
-        del llm
-        gc.collect()
+        _stop(llm, in_process, threads)
 
 
 class EnginePool:
@@ -149,10 +191,7 @@ class EnginePool:
     connector reset, so a module starts from an empty engine whichever module used it before.
 
     NOTE: at most one in-process engine lives at a time (vLLM keeps the KV connector agent
-    in a process global); ``in_process()`` shuts the pool's down before a private one starts.
-    NOTE: ``in_process`` engines are built with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which vLLM
-    reads only while building an engine: the variable is restored right after, so the pool can
-    build multiprocess engines while an in-process one lives.
+    in a process global): a private in-process engine shuts the pool's down before it starts.
     """
 
     def __init__(self, keep: int = 2) -> None:
@@ -171,7 +210,7 @@ class EnginePool:
             self.release_in_process()
         while len(self._live) >= self.keep:
             self._close(next(iter(self._live)))
-        llm, threads = self._build(extra_config, in_process, overrides)
+        llm, threads = _start(extra_config, in_process, overrides)
         self._live[key] = (llm, in_process, threads)
         return llm
 
@@ -183,40 +222,8 @@ class EnginePool:
         while self._live:
             self._close(next(iter(self._live)))
 
-    @staticmethod
-    def _build(extra_config: dict[str, Any] | None, in_process: bool,
-               overrides: dict[str, Any]) -> tuple[Any, int]:
-        import torch
-        import vllm.envs
-
-        threads = torch.get_num_threads()
-        before = os.environ.get(IN_PROCESS)
-        if in_process:
-            os.environ[IN_PROCESS] = "0"
-        try:
-            with _scan_safe():
-                return _build_llm(extra_config, overrides), threads
-        finally:
-            if before is None:
-                os.environ.pop(IN_PROCESS, None)
-            else:
-                os.environ[IN_PROCESS] = before
-            vllm.envs.disable_envs_cache()
-
     def _close(self, key: str) -> None:
-        import torch
-
-        llm, inproc, threads = self._live.pop(key)
-        _shutdown(llm)
-        del llm
-        gc.collect()
-        if inproc:
-            torch.set_num_threads(threads)
-            with contextlib.suppress(Exception):
-                from vllm.distributed.kv_transfer import kv_transfer_state
-
-                kv_transfer_state.ensure_kv_transfer_shutdown()
-
+        _stop(*self._live.pop(key))
 
 POOL = EnginePool()
 

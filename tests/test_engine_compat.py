@@ -42,7 +42,7 @@ def test_child_of_multiconnector_beside_another_connector(tmp_path):
         ]},
     }
     prompt = essay_prompts(1, chars=1500, seed=21)[0] + "\n\nQuestion: what is the claim?\nAnswer:"
-    with engine(None, kv_transfer_config=multi) as llm:
+    with engine(None, in_process=True, kv_transfer_config=multi) as llm:
         summary = _semkv_hit_equals_vllm_hit(llm, prompt)
     assert summary["provenance"] == "exact_external_kv_hit" and summary["external_tokens"] >= 256
     assert any(tmp_path.iterdir()), "the other child connector ran too (it saved KV)"

@@ -46,7 +46,7 @@ def clusters() -> list[tuple[str, str, str]]:
 
 @pytest.fixture(scope="module")
 def llm():
-    with engine(EXTRA) as instance:
+    with engine(EXTRA, in_process=True) as instance:
         yield instance
 
 

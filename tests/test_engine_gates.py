@@ -63,7 +63,7 @@ def workload() -> Workload:
 @pytest.fixture(scope="module")
 def llm() -> Iterator[Any]:
     # room for the ~4K RAG target (up to ~4.2K prompt tokens) and its answer
-    with engine(EXTRA, scheduler_cls=SCHEDULER, max_model_len=4608) as e:
+    with engine(EXTRA, in_process=True, scheduler_cls=SCHEDULER, max_model_len=4608) as e:
         yield e
 
 

@@ -28,7 +28,7 @@ SCHEDULER = "semkv_vllm.commit_policy.CommitPolicyScheduler"
 
 @pytest.fixture(scope="module")
 def llm():
-    with engine(EXTRA, scheduler_cls=SCHEDULER) as instance:
+    with engine(EXTRA, in_process=True, scheduler_cls=SCHEDULER) as instance:
         yield instance
 
 

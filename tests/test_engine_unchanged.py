@@ -6,6 +6,10 @@ raises or hangs on every lookup, and one that mixes every fault kind of ``semkv.
 Every greedy output must be identical to the no-connector engine's, and every request must
 complete. The mixed run also captures the engine's whole log (scheduler process included) and
 its metrics, and scans them for pieces of every prompt: semkv never logs prompt text.
+
+NOTE: engines run in this process (``in_process=True``: ~3 s to start instead of ~18 s), but
+the mixed run's: its engine core is a process of its own, whose whole output (file descriptors
+1 and 2) is what the log scan reads.
 """
 
 from __future__ import annotations
@@ -43,13 +47,13 @@ def run(llm) -> tuple[list[list[int]], list[dict]]:
 
 @pytest.fixture(scope="module")
 def baseline():
-    with engine(None) as llm:
+    with engine(None, in_process=True) as llm:
         return run(llm)[0]
 
 
 def test_discovery_only_changes_no_output(baseline):
     with engine({"provider": "chunks", "semantic_mode": "discovery_only",
-                 "min_reuse_tokens": 64}) as llm:
+                 "min_reuse_tokens": 64}, in_process=True) as llm:
         outputs, summaries = run(llm)
         metrics = semkv_metrics(llm)
     assert outputs == baseline
@@ -65,7 +69,7 @@ def test_failing_provider_changes_no_output(baseline, fault):
     extra = {"provider": "faulty", "semantic_mode": "materialize_exact", "min_reuse_tokens": 64,
              "lookup_timeout_ms": 100,
              "provider_config": {"inner": "chunks", "faults": [fault], "hang_seconds": 1.0}}
-    with engine(extra) as llm:
+    with engine(extra, in_process=True) as llm:
         outputs, summaries = run(llm)
         metrics = semkv_metrics(llm)
     assert outputs == baseline
