@@ -1,26 +1,26 @@
 """Real vLLM CPU engines for the tests, on the bundled SmolLM2 model.
 
-Modules take an engine from the session's ``EnginePool`` (the ``engines`` fixture,
-tests/conftest.py): one engine per configuration, shared by every module that asks for the
-same one (an engine start costs ~30 s), reset (vLLM's prefix cache and the connector: donors,
-provider, store) each time it is handed out. ``engine()`` builds a private one, for a test about
-start-up or one that needs a configuration of its own for a moment.
+``engine(extra_config, in_process=True)`` builds one whose engine core runs in this process:
+it starts in ~3 s, against ~18 s for an engine core in a process of its own (spawned, vLLM
+imported into it). Engines of tests about processes (replicas, tensor-parallel ranks, a server,
+the engine core's own log) keep their own process.
 
 NOTE: engines run with ``enforce_eager=True`` (no torch.compile warm-up: ~1 minute to start
 instead of ~4 on a fresh machine) and ``block_size=32``; every comparison in a module is made
 on the same engine, so these settings never mix into a result.
-NOTE: counters (``semkv_metrics``) of a shared engine carry earlier modules' requests: a test
-reads deltas, never absolute values.
+NOTE: an engine starting in this process unregisters every ``vllm:`` Prometheus collector of
+the process (vLLM's stat logger does, ``unregister_vllm_metrics``): the counters of an engine
+that stays alive meanwhile vanish from its ``get_metrics()``. One engine at a time, then; an
+engine shared across modules would need them to run one after another with no other engine
+between (tried and reverted on 2026-12-06, docs/notes.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import sys
-from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,20 +32,6 @@ CONNECTOR = {
 }
 BLOCK = 32
 RESIDENT_SEQS = 3
-COMMIT_POLICY = "semkv_vllm.commit_policy.CommitPolicyScheduler"
-# Realized spans' mechanics (tests/test_engine_realization.py, _lifecycle.py,
-# _long_realization.py share this in-process engine): every plan class served and unpriced,
-# every hit a realization (the exact tier's smallest span is above any prompt), copies kept
-# as they are unless a request's options choose a recompute strategy, a realization's working
-# set bounded at 512 MiB, prompts up to 8K tokens with two such requests resident.
-MECHANICS = {"provider": "minhash", "semantic_mode": "materialize_semantic",
-             "semantic_tiers": ["verified"], "realize_spans": True,
-             "gate_policy": "ungated", "realize_min_gain": 0.0,
-             "min_reuse_tokens": 100_000, "verified_min_reuse_tokens": 64,
-             "lookup_timeout_ms": 10_000, "provider_config": {"threshold": 0.1},
-             "request_options": True, "recompute_strategy": "none",
-             "realize_memory_bytes": 512 << 20}
-MECHANICS_MAX_MODEL_LEN = 8192
 IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # Packages whose module objects break vLLM's start-up scan of sys.modules (its kernel dispatcher
 # reads vars() of every module attribute; llvmlite's ffi wrappers return no dict). lmcache
@@ -67,7 +53,6 @@ def in_process() -> Iterator[None]:
     import torch
     import vllm.envs
 
-    POOL.release_in_process()  # vLLM's connector agent is process-global: one such engine
     before, threads = os.environ.get(IN_PROCESS), torch.get_num_threads()
     os.environ[IN_PROCESS] = "0"
     try:
@@ -122,121 +107,48 @@ def _build_llm(extra_config: dict[str, Any] | None, overrides: dict[str, Any]) -
     return LLM(**args)
 
 
-def _shutdown(llm: Any) -> None:
-    core = getattr(llm.llm_engine, "engine_core", None)
-    with contextlib.suppress(Exception):
-        core.shutdown()  # type: ignore[union-attr]
-
-
-def _start(extra_config: dict[str, Any] | None, in_process: bool,
-           overrides: dict[str, Any]) -> tuple[Any, int]:
-    """(the engine, torch's thread count before it). ``in_process``: built with
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which vLLM reads only while it builds an engine, so
-    the variable is restored right after (a later engine starts as its caller asks)."""
-    import torch
-    import vllm.envs
-
-    threads = torch.get_num_threads()
-    before = os.environ.get(IN_PROCESS)
-    if in_process:
-        POOL.release_in_process()  # vLLM's connector agent is process-global: one such engine
-        os.environ[IN_PROCESS] = "0"
-    try:
-        with _scan_safe():
-            return _build_llm(extra_config, overrides), threads
-    finally:
-        if in_process:
-            if before is None:
-                os.environ.pop(IN_PROCESS, None)
-            else:
-                os.environ[IN_PROCESS] = before
-            vllm.envs.disable_envs_cache()
-
-
-def _stop(llm: Any, in_process: bool, threads: int) -> None:
-    import torch
-
-    _shutdown(llm)
-    del llm
-    gc.collect()
-    if in_process:
-        torch.set_num_threads(threads)
-        with contextlib.suppress(Exception):
-            from vllm.distributed.kv_transfer import kv_transfer_state
-
-            kv_transfer_state.ensure_kv_transfer_shutdown()
-
-
 @contextlib.contextmanager
 def engine(extra_config: dict[str, Any] | None, *, in_process: bool = False,
            **overrides: Any) -> Iterator[Any]:
-    """A private engine for the block (``EnginePool`` shares one across modules).
+    """An engine for the block.
 
-    ``in_process``: the engine core runs in this process: it starts in ~3 s instead of ~18 s
-    (no engine-core process to spawn and import vLLM into). Engines of tests about processes
-    (replicas, tensor-parallel ranks, a server) stay in their own.
+    ``in_process``: the engine core runs in this process (~3 s to start instead of ~18 s). It is
+    built with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which vLLM reads only while it builds an
+    engine: the variable is restored right after. At the end torch's thread count is restored
+    and vLLM's process-global KV connector agent shut down, as ``in_process()`` does.
     """
-    llm, threads = _start(extra_config, in_process, overrides)
+    import torch
+    import vllm.envs
+
+    threads, before = torch.get_num_threads(), os.environ.get(IN_PROCESS)
+    llm = None
     try:
+        if in_process:
+            os.environ[IN_PROCESS] = "0"
+        try:
+            with _scan_safe():
+                llm = _build_llm(extra_config, overrides)
+        finally:
+            if in_process:
+                if before is None:
+                    os.environ.pop(IN_PROCESS, None)
+                else:
+                    os.environ[IN_PROCESS] = before
+                vllm.envs.disable_envs_cache()
         yield llm
     finally:
-        _stop(llm, in_process, threads)
+        if llm is not None:
+            core = getattr(llm.llm_engine, "engine_core", None)
+            with contextlib.suppress(Exception):
+                core.shutdown()  # type: ignore[union-attr]
+            del llm
+            gc.collect()
+        if in_process:  # also when the start failed after the worker built the connector
+            torch.set_num_threads(threads)
+            with contextlib.suppress(Exception):
+                from vllm.distributed.kv_transfer import kv_transfer_state
 
-
-class EnginePool:
-    """Engines shared across test modules: one per configuration, at most ``keep`` alive.
-
-    ``get`` hands out the engine built for the same arguments (building it if needed, after
-    shutting down the least recently used one past ``keep``), with vLLM's prefix cache and the
-    connector reset, so a module starts from an empty engine whichever module used it before.
-
-    NOTE: at most one in-process engine lives at a time (vLLM keeps the KV connector agent
-    in a process global): a private in-process engine shuts the pool's down before it starts.
-    """
-
-    def __init__(self, keep: int = 2) -> None:
-        self.keep = keep
-        self._live: OrderedDict[str, tuple[Any, bool, int]] = OrderedDict()
-
-    def get(self, extra_config: dict[str, Any] | None, *, in_process: bool = False,
-            **overrides: Any) -> Any:
-        key = json.dumps([extra_config, in_process, overrides], sort_keys=True, default=str)
-        if key in self._live:
-            self._live.move_to_end(key)
-            llm = self._live[key][0]
-            assert llm.reset_prefix_cache(reset_connector=True), "a shared engine was busy"
-            return llm
-        if in_process:
-            self.release_in_process()
-        while len(self._live) >= self.keep:
-            self._close(next(iter(self._live)))
-        llm, threads = _start(extra_config, in_process, overrides)
-        self._live[key] = (llm, in_process, threads)
-        return llm
-
-    def release_in_process(self) -> None:
-        for key in [k for k, (_, inproc, _) in self._live.items() if inproc]:
-            self._close(key)
-
-    def close(self) -> None:
-        while self._live:
-            self._close(next(iter(self._live)))
-
-    def _close(self, key: str) -> None:
-        _stop(*self._live.pop(key))
-
-POOL = EnginePool()
-
-
-def mechanics_engine(pool: EnginePool) -> Any:
-    """The shared in-process engine of ``MECHANICS``."""
-    from semkv.kv_sizing import bundled_kv_cache_bytes
-
-    return pool.get(MECHANICS, in_process=True, scheduler_cls=COMMIT_POLICY,
-                    max_model_len=MECHANICS_MAX_MODEL_LEN, max_num_batched_tokens=1024,
-                    kv_cache_memory_bytes=bundled_kv_cache_bytes(
-                        max_model_len=MECHANICS_MAX_MODEL_LEN, max_num_seqs=2,
-                        block_size=BLOCK))
+                kv_transfer_state.ensure_kv_transfer_shutdown()
 
 
 def greedy(llm: Any, prompts: list[str], max_tokens: int = 16) -> list[Any]:

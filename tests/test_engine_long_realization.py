@@ -1,8 +1,7 @@
 """A 6K-token prompt realized under ``realize_memory_bytes`` on the real vLLM CPU engine (#26).
 
-The realization modules' shared in-process engine (``MECHANICS``, tests/engine_utils.py;
-bundled SmolLM2, fp32, 8,192-token context, ``max_num_batched_tokens`` 1024,
-``realize_memory_bytes`` 512 MiB): four ~1,500-token passages
+One in-process engine for the module (bundled SmolLM2, fp32, 8,192-token context,
+``max_num_batched_tokens`` 1024, ``realize_memory_bytes`` 512 MiB): four ~1,500-token passages
 served as donors behind their own lead-ins, then a ~6,100-token target holding them in another
 order behind another lead-in: a realized span of ~6K tokens, nearly all of it copied with keys
 re-rotated. The target is realized with blend at fraction 1.0 (every copied token recomputed),
@@ -36,20 +35,19 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from semkv.config import SemkvConfig  # noqa: E402
-from tests.engine_utils import (  # noqa: E402
-    MECHANICS,
-    MECHANICS_MAX_MODEL_LEN,
-    EnginePool,
-    essay_prompts,
-    mechanics_engine,
-    semkv_metrics,
-)
+from tests.engine_utils import BLOCK, engine, essay_prompts, in_process, semkv_metrics  # noqa: E402
 
 pytestmark = pytest.mark.engine
-MAX_MODEL_LEN = MECHANICS_MAX_MODEL_LEN
+MAX_MODEL_LEN = 8192
 BATCHED = 1024
-BOUND = MECHANICS["realize_memory_bytes"]
-EXTRA = MECHANICS
+BOUND = 512 << 20
+EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
+         "semantic_tiers": ["verified"], "realize_spans": True,
+         "gate_policy": "ungated", "realize_min_gain": 0.0,  # mechanics: every class, unpriced
+         "min_reuse_tokens": 100_000,  # the exact tier never wins: every hit is realized
+         "verified_min_reuse_tokens": 64, "lookup_timeout_ms": 10_000,
+         "provider_config": {"threshold": 0.1}, "request_options": True,
+         "recompute_strategy": "none", "realize_memory_bytes": BOUND}
 
 
 class LiveBytes(TorchDispatchMode):
@@ -137,8 +135,15 @@ def probe() -> Iterator[Probe]:
 
 
 @pytest.fixture(scope="module")
-def llm(probe: Probe, engines: EnginePool) -> Any:
-    return mechanics_engine(engines)
+def llm(probe: Probe) -> Iterator[Any]:
+    from semkv.kv_sizing import bundled_kv_cache_bytes
+
+    with in_process(), engine(
+            EXTRA, scheduler_cls="semkv_vllm.commit_policy.CommitPolicyScheduler",
+            max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BATCHED,
+            kv_cache_memory_bytes=bundled_kv_cache_bytes(
+                max_model_len=MAX_MODEL_LEN, max_num_seqs=2, block_size=BLOCK)) as e:
+        yield e
 
 
 def run(llm: Any, prompt: str, max_tokens: int = 16, **options: Any) -> Any:

@@ -1,13 +1,11 @@
 """Realized spans (non-prefix reuse) on the real vLLM CPU engine, bundled SmolLM2 (fp32).
 
-One in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the scheduler, the worker and this
-test share a process, so the test can record the plans the scheduler made and the dense KV the
-worker realized), shared with the other realization modules (``MECHANICS`` in
-tests/engine_utils.py: 8K context, a 512 MiB realization bound) and reset before this module.
-``materialize_semantic`` with the ``verified`` tier, ``realize_spans`` on, the commit-policy
-scheduler, MinHash discovery with a low LSH threshold (a passage donor holds about a third of
-a RAG target's shingles). The exact tier's smallest span is set above any prompt here, so every
-hit below is a realization.
+One in-process engine for the module (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the scheduler, the
+worker and this test share a process, so the test can record the plans the scheduler made and
+the dense KV the worker realized). ``materialize_semantic`` with the ``verified`` tier,
+``realize_spans`` on, the commit-policy scheduler, MinHash discovery with a low LSH threshold
+(a passage donor holds about a third of a RAG target's shingles). The exact tier's smallest
+span is set above any prompt here, so every hit below is a realization.
 
 Tolerances (fp32): span K/V realized with every token a gap vs what vLLM's own prefill wrote
 for the same tokens: 2e-4 absolute (keys reach ~15; the runner's SDPA and unfused norms vs
@@ -44,17 +42,22 @@ from semkv.realize.recompute import RecomputeKind, RecomputeStrategy  # noqa: E4
 from semkv.span_plan import SpanPlan, SpanSegment  # noqa: E402
 from tests.engine_utils import (  # noqa: E402
     BLOCK,
-    MECHANICS,
-    EnginePool,
+    engine,
     essay_prompts,
-    mechanics_engine,
+    in_process,
     semkv_metrics,
 )
 
 pytestmark = pytest.mark.engine
 KV_ATOL = 2e-4
 LOGPROB_ATOL = 2e-3
-EXTRA = MECHANICS  # plans are compared copy for copy; tests choose other strategies
+EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
+         "semantic_tiers": ["verified"], "realize_spans": True,
+         "gate_policy": "ungated", "realize_min_gain": 0.0,  # mechanics: every class, unpriced
+         "min_reuse_tokens": 100_000,  # the exact tier never wins here: every hit is realized
+         "verified_min_reuse_tokens": 64, "lookup_timeout_ms": 10_000,
+         "provider_config": {"threshold": 0.1}, "request_options": True,
+         "recompute_strategy": "none"}  # plans are compared copy for copy; tests choose others
 
 
 class Recorder:
@@ -116,8 +119,10 @@ def recorder() -> Iterator[Recorder]:
 
 
 @pytest.fixture(scope="module")
-def llm(recorder: Recorder, engines: EnginePool) -> Any:
-    return mechanics_engine(engines)
+def llm(recorder: Recorder) -> Iterator[Any]:
+    with in_process(), engine(
+            EXTRA, scheduler_cls="semkv_vllm.commit_policy.CommitPolicyScheduler") as e:
+        yield e
 
 
 def run(llm: Any, prompt: str | list[int], max_tokens: int = 16, logprobs: int | None = None,
