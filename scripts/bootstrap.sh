@@ -10,7 +10,7 @@
 # - .venv, per checkout: a venv without packages of its own but the semkv distributions
 #   (editable: they point at this checkout), which sees the base's site-packages through a .pth
 #   file, and console scripts of the base (vllm, lmcache, ruff, mkdocs ...) re-pointed at
-#   .venv/bin/python, so they import this checkout's semkv. Takes a few seconds.
+#   .venv/bin/python, so they import this checkout's semkv. Takes about 20 s.
 #
 # Idempotent: stamps keyed by their inputs make a second run a no-op. Environment:
 # SEMKV_VENV (the checkout's venv, default .venv), SEMKV_VENV_CACHE (where bases live),

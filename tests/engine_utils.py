@@ -85,7 +85,22 @@ def _scan_safe() -> Iterator[None]:
         sys.modules.update(hidden)
 
 
-def _build_llm(extra_config: dict[str, Any] | None, overrides: dict[str, Any]) -> Any:
+_in_process = in_process  # ``engine``'s keyword of the same name hides it there
+
+
+@contextlib.contextmanager
+def engine(extra_config: dict[str, Any] | None, *, in_process: bool = False,
+           **overrides: Any) -> Iterator[Any]:
+    """An engine for the block; ``in_process``: inside ``in_process()`` (its engine core runs
+    in this process: ~3 s to start instead of ~18 s)."""
+    with contextlib.ExitStack() as stack:
+        if in_process:
+            stack.enter_context(_in_process())
+        yield stack.enter_context(_engine(extra_config, **overrides))
+
+
+@contextlib.contextmanager
+def _engine(extra_config: dict[str, Any] | None, **overrides: Any) -> Iterator[Any]:
     from vllm import LLM
 
     from semkv.bundled_model import ensure_model
@@ -104,51 +119,16 @@ def _build_llm(extra_config: dict[str, Any] | None, overrides: dict[str, Any]) -
     args.setdefault("kv_cache_memory_bytes", bundled_kv_cache_bytes(
         max_model_len=args["max_model_len"], max_num_seqs=RESIDENT_SEQS,
         block_size=args["block_size"]))
-    return LLM(**args)
-
-
-@contextlib.contextmanager
-def engine(extra_config: dict[str, Any] | None, *, in_process: bool = False,
-           **overrides: Any) -> Iterator[Any]:
-    """An engine for the block.
-
-    ``in_process``: the engine core runs in this process (~3 s to start instead of ~18 s). It is
-    built with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which vLLM reads only while it builds an
-    engine: the variable is restored right after. At the end torch's thread count is restored
-    and vLLM's process-global KV connector agent shut down, as ``in_process()`` does.
-    """
-    import torch
-    import vllm.envs
-
-    threads, before = torch.get_num_threads(), os.environ.get(IN_PROCESS)
-    llm = None
+    with _scan_safe():
+        llm = LLM(**args)
     try:
-        if in_process:
-            os.environ[IN_PROCESS] = "0"
-        try:
-            with _scan_safe():
-                llm = _build_llm(extra_config, overrides)
-        finally:
-            if in_process:
-                if before is None:
-                    os.environ.pop(IN_PROCESS, None)
-                else:
-                    os.environ[IN_PROCESS] = before
-                vllm.envs.disable_envs_cache()
         yield llm
     finally:
-        if llm is not None:
-            core = getattr(llm.llm_engine, "engine_core", None)
-            with contextlib.suppress(Exception):
-                core.shutdown()  # type: ignore[union-attr]
-            del llm
-            gc.collect()
-        if in_process:  # also when the start failed after the worker built the connector
-            torch.set_num_threads(threads)
-            with contextlib.suppress(Exception):
-                from vllm.distributed.kv_transfer import kv_transfer_state
-
-                kv_transfer_state.ensure_kv_transfer_shutdown()
+        core = getattr(llm.llm_engine, "engine_core", None)
+        with contextlib.suppress(Exception):
+            core.shutdown()  # type: ignore[union-attr]
+        del llm
+        gc.collect()
 
 
 def greedy(llm: Any, prompts: list[str], max_tokens: int = 16) -> list[Any]:
