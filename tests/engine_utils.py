@@ -1,4 +1,6 @@
-"""Real vLLM CPU engines for the tests, on the bundled SmolLM2 model.
+"""Real vLLM CPU engines for the tests, on the bundled SmolLM2 model, or with
+``model=str(tiny_model_dir())`` (tests/tiny_engine_model.py) on a tiny random-weight Llama for
+tests of mechanisms.
 
 ``engine(extra_config, in_process=True)`` builds one whose engine core runs in this process:
 it starts in ~3 s, against ~18 s for an engine core in a process of its own (spawned, vLLM
@@ -31,6 +33,9 @@ CONNECTOR = {
     "kv_load_failure_policy": "recompute",
 }
 BLOCK = 32
+# The model of a child process's engines (tests/lmcache_*child.py), set by its parent test:
+# the tiny model's folder (tests/tiny_engine_model.py) where the test is about mechanisms.
+MODEL_ENV = "TESTS_ENGINE_MODEL"  # not SEMKV_*: semkv refuses unknown SEMKV_ variables
 RESIDENT_SEQS = 3
 IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # Packages whose module objects break vLLM's start-up scan of sys.modules (its kernel dispatcher
@@ -104,10 +109,11 @@ def _engine(extra_config: dict[str, Any] | None, **overrides: Any) -> Iterator[A
     from vllm import LLM
 
     from semkv.bundled_model import ensure_model
-    from semkv.kv_sizing import bundled_kv_cache_bytes
+    from semkv.kv_sizing import kv_cache_bytes
 
     args: dict[str, Any] = dict(
-        model=str(ensure_model()), dtype="float32", max_model_len=4096, block_size=BLOCK,
+        model=os.environ.get(MODEL_ENV) or str(ensure_model()), dtype="float32",
+        max_model_len=4096, block_size=BLOCK,
         enable_prefix_caching=True, enforce_eager=True, max_num_batched_tokens=1024,
         disable_log_stats=False, seed=0,
     )
@@ -116,8 +122,8 @@ def _engine(extra_config: dict[str, Any] | None, **overrides: Any) -> Iterator[A
     args.update(overrides)
     # NOTE: sized from the run, never a host fraction; three full-length requests resident
     # keeps the tests' earlier prompts in vLLM's prefix cache where a test expects a local hit.
-    args.setdefault("kv_cache_memory_bytes", bundled_kv_cache_bytes(
-        max_model_len=args["max_model_len"], max_num_seqs=RESIDENT_SEQS,
+    args.setdefault("kv_cache_memory_bytes", kv_cache_bytes(
+        args["model"], max_model_len=args["max_model_len"], max_num_seqs=RESIDENT_SEQS,
         block_size=args["block_size"]))
     with _scan_safe():
         llm = LLM(**args)
@@ -129,6 +135,27 @@ def _engine(extra_config: dict[str, Any] | None, **overrides: Any) -> Iterator[A
             core.shutdown()  # type: ignore[union-attr]
         del llm
         gc.collect()
+
+
+def settled_reset(llm: Any, *, reset_connector: bool = False, seconds: float = 60.0) -> None:
+    """vLLM's prefix-cache reset, once no finished request still holds blocks.
+
+    NOTE: a finished request whose KV a connector still saves (LMCache's and semkv's delayed
+    frees) keeps its blocks until a later engine step sees the save done; vLLM's reset refuses
+    while any block is held. An engine core in its own process steps by itself; one in this
+    process steps only when asked, so it is stepped here until nothing waits.
+    """
+    import time
+
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process only
+    deadline = time.monotonic() + seconds
+    while core is not None and core.scheduler.has_finished_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError("finished requests still hold KV blocks")
+        core.step()
+        time.sleep(0.01)
+    if not llm.reset_prefix_cache(reset_connector=reset_connector):
+        raise RuntimeError("vLLM refused to reset its prefix cache")
 
 
 def greedy(llm: Any, prompts: list[str], max_tokens: int = 16) -> list[Any]:

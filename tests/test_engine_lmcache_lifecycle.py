@@ -57,7 +57,8 @@ def test_abort_mid_realization_and_stalled_fetch_with_lmcache(lmcache_url, tmp_p
     data = tmp_path / "prompts.json"
     _prompts(data)
     r = _realize_child(None, data, tmp_path / "lifecycle.json", lmcache_url,
-                       module="tests.lmcache_lifecycle_child")
+                       module="tests.lmcache_lifecycle_child",
+                       tiny=False)  # the bundled model: its realization spans several steps
     abort, again, stall = r["abort"], r["again"], r["stall"]
     print("lmcache lifecycle:", json.dumps({  # counts only (shown with pytest -rA)
         "abort": {k: abort[k] for k in ("realizing_at_abort", "cancelled_next_step", "delta",

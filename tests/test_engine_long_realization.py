@@ -1,7 +1,9 @@
 """A 6K-token prompt realized under ``realize_memory_bytes`` on the real vLLM CPU engine (#26).
 
-One in-process engine for the module (bundled SmolLM2, fp32, 8,192-token context,
-``max_num_batched_tokens`` 1024, ``realize_memory_bytes`` 512 MiB): four ~1,500-token passages
+One in-process engine for the module (the tiny random-weight Llama of
+tests/tiny_engine_model.py: what is tested is the mechanism, chunks, bounds and exactness, not
+quality; fp32, 8,192-token context, ``max_num_batched_tokens`` 1024, ``realize_memory_bytes``
+128 MiB): four ~1,500-token passages
 served as donors behind their own lead-ins, then a ~6,100-token target holding them in another
 order behind another lead-in: a realized span of ~6K tokens, nearly all of it copied with keys
 re-rotated. The target is realized with blend at fraction 1.0 (every copied token recomputed),
@@ -36,11 +38,12 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from semkv.config import SemkvConfig  # noqa: E402
 from tests.engine_utils import BLOCK, engine, essay_prompts, in_process, semkv_metrics  # noqa: E402
+from tests.tiny_engine_model import GEOMETRY, tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.engine
 MAX_MODEL_LEN = 8192
 BATCHED = 1024
-BOUND = 512 << 20
+BOUND = 128 << 20  # the tiny model's 6K span: ~77 MiB estimated, ~61 MiB measured
 EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
          "semantic_tiers": ["verified"], "realize_spans": True,
          "gate_policy": "ungated", "realize_min_gain": 0.0,  # mechanics: every class, unpriced
@@ -136,13 +139,14 @@ def probe() -> Iterator[Probe]:
 
 @pytest.fixture(scope="module")
 def llm(probe: Probe) -> Iterator[Any]:
-    from semkv.kv_sizing import bundled_kv_cache_bytes
+    from semkv.kv_sizing import kv_cache_bytes
 
+    model = tiny_model_dir()
     with in_process(), engine(
             EXTRA, scheduler_cls="semkv_vllm.commit_policy.CommitPolicyScheduler",
-            max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BATCHED,
-            kv_cache_memory_bytes=bundled_kv_cache_bytes(
-                max_model_len=MAX_MODEL_LEN, max_num_seqs=2, block_size=BLOCK)) as e:
+            model=str(model), max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BATCHED,
+            kv_cache_memory_bytes=kv_cache_bytes(
+                model, max_model_len=MAX_MODEL_LEN, max_num_seqs=2, block_size=BLOCK)) as e:
         yield e
 
 
@@ -204,11 +208,15 @@ def test_a_6k_token_prompt_realizes_within_the_bound_in_chunks_equal_to_cold(llm
     assert op.max_chunk_tokens == BATCHED and positions > 5500
     assert s["span"]["recomputed"] == s["span"]["copied"]  # blend 1.0: every copied token
     calls, live = long_case["calls"], long_case["live"]
-    # blend 1.0 runs every span position through all 30 layers, 1,024 at most per call
-    assert max(calls) <= BATCHED and len(calls) == 30 * -(-positions // BATCHED), calls
+    assert probe.realizer is not None
+    geometry = probe.realizer.runner.geometry
+    assert (geometry.layers, geometry.kv_heads, geometry.head_dim) == (
+        GEOMETRY["num_hidden_layers"], GEOMETRY["num_key_value_heads"], GEOMETRY["head_dim"])
+    # blend 1.0 runs every span position through every layer, 1,024 at most per call
+    assert max(calls) <= BATCHED and len(calls) == geometry.layers * -(-positions // BATCHED)
     # measured <= estimated <= bound: the estimate is an upper bound of the job's tensors
     assert 0 < live.peak <= realized.working_set <= BOUND, (live.peak, realized.working_set)
-    dense = op.span_tokens * 30 * 3 * 64 * 2 * 4  # the span's dense KV, every layer
+    dense = op.span_tokens * geometry.layers * geometry.kv_row_bytes  # the span's dense KV
     assert live.peak >= dense
     print(f"\n6K realization: span {positions} tokens "
           f"({s['span']}), {len(calls)} layer calls of at most {max(calls)} tokens; "
@@ -219,9 +227,7 @@ def test_a_6k_token_prompt_realizes_within_the_bound_in_chunks_equal_to_cold(llm
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     # the scheduler's geometry (from vLLM's config) is the worker's (from the loaded model)
     config = SemkvConfig.load(EXTRA)
-    assert probe.realizer is not None
-    assert realize_budget(config, llm.llm_engine.vllm_config).geometry == (
-        probe.realizer.runner.geometry)
+    assert realize_budget(config, llm.llm_engine.vllm_config).geometry == geometry
     side = scheduler_side(llm)
     assert side.leases.live_count() == 0 and side.index.pinned_slots() == 0
 
@@ -230,7 +236,10 @@ def test_a_plan_over_the_bound_is_refused_at_planning_typed_counted_and_cold(llm
     target, cold = long_case["target"], long_case["cold"]
     spans = scheduler_side(llm).spans
     assert spans.budget is not None and spans.budget.memory_bytes == BOUND
-    small = 64 << 20  # a 6K-token span's dense KV alone takes ~270 MiB
+    op, geometry = long_case["realized"].op, realize_budget(
+        SemkvConfig.load(EXTRA), llm.llm_engine.vllm_config).geometry
+    small = op.span_tokens * geometry.layers * geometry.kv_row_bytes // 4  # a quarter of the
+    # span's dense KV, which any realization of it holds
     llm.reset_prefix_cache()
     before = semkv_metrics(llm)
     spans.budget = dataclasses.replace(spans.budget, memory_bytes=small)

@@ -32,6 +32,11 @@ def llm():
         yield instance
 
 
+def test_smoke_greedy_completion(llm):
+    out = greedy(llm, ["The capital of France is"], max_tokens=4)[0]
+    assert out.outputs[0].text.strip().startswith("Paris")
+
+
 @pytest.fixture(scope="module")
 def workload():
     from transformers import AutoTokenizer

@@ -1,0 +1,120 @@
+"""A tiny random-weight Llama on disk, for engine tests of mechanisms (copies, refusals,
+lifecycles, exactness), not of quality: the bundled model's tokenizer, vocabulary and rotary
+base, 4 layers of 6 query heads over 3 KV heads (tensor parallelism up to 3 ranks, as the
+bundled model), head size 32.
+
+``tiny_model_dir()`` builds it once per machine with transformers' ``from_config`` (seeded)
+into semkv's cache, outside the repository, and returns the folder vLLM loads.
+
+NOTE: the initializer scale is 0.1, not transformers' 0.02: at 0.02 the random model repeats
+one token whatever the prompt, so "output equals cold" would hold even for wrong KV. At 0.1
+greedy outputs vary and the next token depends on the prompt's first half. The build measures
+both (``checks.json`` in the folder): the float noise of the logits (one forward against the
+same tokens in two cached chunks), the greedy margins (top-1 minus top-2 logit) at every
+position of four essay prompts, and whether the argmax moves when a prompt's first half is
+replaced. ``tiny_model_dir`` refuses a model whose 1st-percentile margin is not 100x its noise
+or whose output ignores the far context.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+GEOMETRY = {"num_hidden_layers": 4, "hidden_size": 192, "intermediate_size": 384,
+            "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 32,
+            "initializer_range": 0.1}
+SEED = 0
+NOISE_TO_MARGIN = 100  # the 1st-percentile margin must be this many times the float noise
+_DONE = "checks.json"
+
+
+def tiny_model_dir() -> Path:
+    """The tiny model's folder (built and checked on first use; later calls only read)."""
+    import torch
+    import transformers
+
+    from semkv.assets import cache_dir
+    from semkv.bundled_model import ensure_model
+
+    key = hashlib.sha256(json.dumps(
+        [GEOMETRY, SEED, torch.__version__, transformers.__version__, str(ensure_model().name)],
+        sort_keys=True).encode()).hexdigest()[:12]
+    target = cache_dir() / "models" / f"tiny-llama-{key}"
+    if not (target / _DONE).exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target.parent / f".{target.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per machine; others wait, then reuse
+            if not (target / _DONE).exists():
+                _build(ensure_model(), target)
+    _check(json.loads((target / _DONE).read_text()))
+    return target
+
+
+def _check(checks: dict[str, Any]) -> None:
+    if checks["margin_p1"] < NOISE_TO_MARGIN * checks["noise"]:
+        raise RuntimeError(f"tiny model: greedy margins too close to float noise: {checks}")
+    if checks["far_context_moves_argmax"] < checks["prompts"] // 2:
+        raise RuntimeError(f"tiny model: the next token ignores the prompt's first half: {checks}")
+
+
+def _build(bundled: Path, target: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(str(bundled))  # vocabulary, rotary base, special ids
+    for name, value in GEOMETRY.items():
+        setattr(config, name, value)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        torch.manual_seed(SEED)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(str(bundled))
+        checks = _measure(model, tokenizer)
+        _check(checks)
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / _DONE).write_text(json.dumps(checks, indent=1) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        torch.set_num_threads(threads)
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _measure(model: Any, tokenizer: Any) -> dict[str, Any]:
+    import torch
+    from transformers import DynamicCache
+
+    from tests.engine_utils import essay_prompts
+
+    docs = essay_prompts(4, chars=3000, seed=3)
+    noise, margins, moved = 0.0, [], 0
+    with torch.no_grad():
+        for i, doc in enumerate(docs):
+            ids = tokenizer(doc, return_tensors="pt").input_ids
+            full = model(ids).logits[0]
+            half = ids.shape[1] // 2
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :half], past_key_values=cache)
+            chunked = model(ids[:, half:], past_key_values=cache).logits[0]
+            noise = max(noise, float((full[half:] - chunked).abs().max()))
+            top = full.topk(2, dim=-1).values
+            margins += (top[:, 0] - top[:, 1]).tolist()
+            other = tokenizer(docs[(i + 1) % len(docs)], return_tensors="pt").input_ids
+            swapped = ids.clone()
+            swapped[0, :half] = other[0, :half]
+            moved += int(model(swapped).logits[0, -1].argmax() != full[-1].argmax())
+    margins.sort()
+    return {"noise": noise, "margin_p1": margins[len(margins) // 100],
+            "margin_median": margins[len(margins) // 2], "positions": len(margins),
+            "prompts": len(docs), "far_context_moves_argmax": moved}
