@@ -9,7 +9,8 @@ Two runs of the command, each its own in-process engine (the command is the unit
   one_donor_in_order served; one_donor_reordered and multi_donor refused, measured above the
   fp8 floor (not for want of samples); gap_dominated refused (no bundled plan has that shape).
   The strategy it certifies is the measurement's, not asserted (docs/calibrate.md);
-- an operator's JSONL file (synthetic text made here, never corpus text): groups of prompts
+- an operator's JSONL file (synthetic text made here, never corpus text), on the tiny
+  random-weight Llama of tests/tiny_engine_model.py (``--model``): groups of prompts
   that put another instruction before the same document; every target is planned
   one_donor_in_order from its group's earlier prompt, rows are labelled by the file's ids, and
   neither the rows nor the policy hold any of the text.
@@ -37,6 +38,7 @@ from semkv.model_identity import model_identity
 from semkv.plan_class import PlanClass
 from semkv.realize.recompute import RecomputeStrategy
 from semkv.types import FallbackReason
+from tests.tiny_engine_model import tiny_model_dir
 
 SEMKV = [sys.executable, "-m", "semkv.cli", "calibrate", "--no-progress", "--block-size", "32"]
 # ~1K tokens as the frontier measured (at ~768 tokens first_k16 measured above the floor for
@@ -133,10 +135,12 @@ def test_calibration_from_a_prompts_file(tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "mine.json"
-    proc, _ = _run(["--prompts", str(prompts), "--min-samples", "3", "--max-tokens", "8",
-                    "--strategies", "realized:first_k16"], out)
+    model = tiny_model_dir()  # the file's path through the command, not the model's quality
+    proc, _ = _run(["--model", str(model), "--dtype", "float32", "--prompts", str(prompts),
+                    "--min-samples", "3",
+                    "--max-tokens", "8", "--strategies", "realized:first_k16"], out)
     policy = read_policy(out)
-    check_model(policy, _identity(), out)
+    check_model(policy, model_identity(model, dtype="float32", kv_cache_dtype="auto"), out)
     assert policy.source == "prompts file prompts.jsonl: 6 prompts, 3 targets"
     assert set(policy.classes) == set(PlanClass)
     record_text = out.with_name("mine.rows.json").read_text()

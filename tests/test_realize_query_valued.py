@@ -6,11 +6,13 @@ attention weighted by each copied token's value error in the probe layers.
   fresh KV in its layers for the positions it ran and nothing else changes.
 - A run reused exactly (no value error) is never picked while a run reused with error has
   tokens left, though the question's attention alone picks from it.
-- At 1.0 every copied token is recomputed: the cold prefill (bundled model, RAG and reordered
-  chunks; every cluster type in ``tests/test_realize_query.py``); below it the weighted ranking
+- At 1.0 every copied token is recomputed: the cold prefill (RAG and reordered chunks;
+  every cluster type in ``tests/test_realize_query.py``); below it the weighted ranking
   picks other tokens than ``query``. Engine and research select alike there too.
 
-A tiny random Llama (fp32) where no trained model is needed; the bundled SmolLM2 otherwise.
+Tiny random Llamas (fp32): in memory where token ids are made up, and on disk with the
+bundled model's tokenizer and vocabulary (tests/tiny_engine_model.py) for the ``semkv.eval``
+clusters: what is tested is which tokens are recomputed and that 1.0 is cold, not quality.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from semkv.realize.query import query_select, value_error  # noqa: E402
 from semkv.realize.recompute import RecomputeKind, RecomputeStrategy  # noqa: E402
 from semkv.research import LayerwiseModel, Strategy, plan_reuse, prefill  # noqa: E402
 from semkv.research.study import strategy_from_name  # noqa: E402
-from tests.bundled_lm import bundled_layerwise_model, eval_cluster  # noqa: E402
+from tests.bundled_lm import eval_cluster  # noqa: E402
+from tests.tiny_engine_model import tiny_layerwise_model  # noqa: E402
 from tests.tiny_model import tiny_llama  # noqa: E402
 
 LOGIT_ATOL = 1e-3
@@ -114,24 +117,24 @@ def test_queryv_names_round_trip() -> None:
 
 
 @pytest.fixture(scope="module")
-def bundled() -> Iterator[LayerwiseModel]:
-    with bundled_layerwise_model() as model:
+def text_lm() -> Iterator[LayerwiseModel]:
+    with tiny_layerwise_model() as model:
         yield model
 
 
 @pytest.mark.parametrize("kind", ["multi_passage_rag", "reordered_chunks"])
-def test_queryv_at_one_is_cold_and_below_it_selects_otherwise_than_query(bundled, kind) -> None:
-    target, store = eval_cluster(bundled, kind)
+def test_queryv_at_one_is_cold_and_below_it_selects_otherwise_than_query(text_lm, kind) -> None:
+    target, store = eval_cluster(text_lm, kind)
     plan = plan_reuse(target, store.token_map(), chunk_tokens=32)
     assert plan.reused_tokens > 0, f"{kind}: the plan reuses nothing (nothing to test)"
-    _, cold = bundled.full_prefill(target, all_logits=False)
-    full = prefill(bundled, target, plan, store, Strategy.queryv(1.0))
+    _, cold = text_lm.full_prefill(target, all_logits=False)
+    full = prefill(text_lm, target, plan, store, Strategy.queryv(1.0))
     assert full.reused_tokens == 0
     assert torch.allclose(full.logits, cold[-1], atol=LOGIT_ATOL)
-    valued = prefill(bundled, target, plan, store, Strategy.queryv(0.2))
-    plain = prefill(bundled, target, plan, store, Strategy.query(0.2))
+    valued = prefill(text_lm, target, plan, store, Strategy.queryv(0.2))
+    plain = prefill(text_lm, target, plan, store, Strategy.query(0.2))
     assert valued.recomputed_tokens == plain.recomputed_tokens  # the same budget
-    last = bundled.num_layers - 1
+    last = text_lm.num_layers - 1
     picked = [{p for layers, pos in r.passes if last in layers for p in pos}
               for r in (valued, plain)]
     assert picked[0] != picked[1]  # the value error re-ranked the question's attention

@@ -4,7 +4,8 @@ At ratio 1.0 it recomputes every copied token, so it must equal the cold prefill
 cluster type (as the shared strategies do); at ratio 0 it is ``none``; in between it computes
 exactly the budget's tokens more, the ones whose reused KV is furthest from the cold KV over
 all layers. Plans come from ``semkv.eval`` clusters at ~256 tokens, tokenized by the bundled
-model's tokenizer.
+model's tokenizer, run by the tiny random Llama of tests/tiny_engine_model.py (the same
+vocabulary; which tokens are recomputed is tested, not quality).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from semkv.realize.recompute import copied_positions, deviation  # noqa: E402
 from semkv.research import DonorStore, LayerwiseModel, Strategy, assemble, plan_reuse  # noqa: E402
 from semkv.research.recompute import prefill, runs, without  # noqa: E402
 from semkv.research.study import strategy_from_name  # noqa: E402
-from tests.bundled_lm import bundled_layerwise_model, eval_cluster  # noqa: E402
+from tests.bundled_lm import eval_cluster  # noqa: E402
+from tests.tiny_engine_model import tiny_layerwise_model  # noqa: E402
 
 LOGIT_ATOL = 1e-3
 KINDS = ("multi_passage_rag", "reordered_chunks", "quoted_section", "cross_instruction",
@@ -31,7 +33,7 @@ KINDS = ("multi_passage_rag", "reordered_chunks", "quoted_section", "cross_instr
 
 @pytest.fixture(scope="module")
 def lm() -> Iterator[LayerwiseModel]:
-    with bundled_layerwise_model() as model:
+    with tiny_layerwise_model() as model:
         yield model
 
 

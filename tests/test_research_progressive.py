@@ -4,7 +4,8 @@ CacheBlend's gradual filtering: after the probe layers the selected copied token
 by layer, each layer re-ranking the ones still selected by its own deviation. At ratio 1.0 it
 computes every copied token through every layer, so it must equal the cold prefill (as every
 strategy does); at ratio 0 it is ``blend`` at 0; in between the sets are nested and their sizes
-follow ``progressive_sizes``. Plans from ``semkv.eval`` clusters (the bundled model).
+follow ``progressive_sizes``. Plans from ``semkv.eval`` clusters
+(the tiny model of tests/tiny_engine_model.py, the bundled model's vocabulary).
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ from semkv.realize.recompute import copied_positions  # noqa: E402
 from semkv.research import LayerwiseModel, Strategy, plan_reuse  # noqa: E402
 from semkv.research.recompute import prefill, progressive_sizes, runs  # noqa: E402
 from semkv.research.study import strategy_from_name  # noqa: E402
-from tests.bundled_lm import bundled_layerwise_model, eval_cluster  # noqa: E402
+from tests.bundled_lm import eval_cluster  # noqa: E402
+from tests.tiny_engine_model import tiny_layerwise_model  # noqa: E402
 
 LOGIT_ATOL = 1e-3
 
 
 @pytest.fixture(scope="module")
 def lm() -> Iterator[LayerwiseModel]:
-    with bundled_layerwise_model() as model:
+    with tiny_layerwise_model() as model:
         yield model
 
 

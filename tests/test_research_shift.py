@@ -4,10 +4,12 @@ mean K/V deviation added to the copied tokens it left.
 - ``shift_unselected`` moves exactly the run's copied tokens that were not recomputed, values by
   the run's mean deviation, keys by it in the un-rotated frame; recomputed tokens, gaps and
   runs with too few recomputed tokens stay as they are.
-- At 1.0 nothing copied is left: the cold prefill (bundled model, RAG and reordered chunks);
+- At 1.0 nothing copied is left: the cold prefill (RAG and reordered chunks);
   below it the correction changes the answer's distribution against plain ``query``.
 
-A tiny random Llama (fp32) where no trained model is needed; the bundled SmolLM2 otherwise.
+Tiny random Llamas (fp32): in memory where token ids are made up, and on disk with the
+bundled model's tokenizer and vocabulary (tests/tiny_engine_model.py) for the ``semkv.eval``
+clusters: what is tested is which tokens are recomputed and that 1.0 is cold, not quality.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ pytest.importorskip("transformers")
 from semkv.research import LayerwiseModel, Strategy, plan_reuse, prefill  # noqa: E402
 from semkv.research.shift import MIN_SAMPLES, shift_unselected  # noqa: E402
 from semkv.research.study import strategy_from_name  # noqa: E402
-from tests.bundled_lm import bundled_layerwise_model, eval_cluster  # noqa: E402
+from tests.bundled_lm import eval_cluster  # noqa: E402
+from tests.tiny_engine_model import tiny_layerwise_model  # noqa: E402
 from tests.tiny_model import tiny_llama  # noqa: E402
 
 LOGIT_ATOL = 1e-3
@@ -89,22 +92,22 @@ def test_shift_names_round_trip() -> None:
 
 
 @pytest.fixture(scope="module")
-def bundled() -> Iterator[LayerwiseModel]:
-    with bundled_layerwise_model() as model:
+def text_lm() -> Iterator[LayerwiseModel]:
+    with tiny_layerwise_model() as model:
         yield model
 
 
 @pytest.mark.parametrize("kind", ["multi_passage_rag", "reordered_chunks"])
-def test_shift_at_one_is_cold_and_below_it_moves_the_answer_from_query(bundled, kind) -> None:
-    target, store = eval_cluster(bundled, kind)
+def test_shift_at_one_is_cold_and_below_it_moves_the_answer_from_query(text_lm, kind) -> None:
+    target, store = eval_cluster(text_lm, kind)
     plan = plan_reuse(target, store.token_map(), chunk_tokens=32)
     assert plan.reused_tokens > 0, f"{kind}: the plan reuses nothing (nothing to test)"
-    _, cold = bundled.full_prefill(target, all_logits=False)
-    full = prefill(bundled, target, plan, store, Strategy.shift(1.0))
+    _, cold = text_lm.full_prefill(target, all_logits=False)
+    full = prefill(text_lm, target, plan, store, Strategy.shift(1.0))
     assert full.reused_tokens == 0
     assert torch.allclose(full.logits, cold[-1], atol=LOGIT_ATOL)
-    shifted = prefill(bundled, target, plan, store, Strategy.shift(0.3))
-    plain = prefill(bundled, target, plan, store, Strategy.query(0.3))
+    shifted = prefill(text_lm, target, plan, store, Strategy.shift(0.3))
+    plain = prefill(text_lm, target, plan, store, Strategy.query(0.3))
     assert shifted.recomputed_tokens == plain.recomputed_tokens  # the same selection
     assert (shifted.logits - plain.logits).abs().max() > LOGIT_ATOL  # the correction acted
     assert shifted.recompute_fraction > plain.recompute_fraction  # the question ran again

@@ -23,6 +23,8 @@ import hashlib
 import json
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +120,19 @@ def _measure(model: Any, tokenizer: Any) -> dict[str, Any]:
     return {"noise": noise, "margin_p1": margins[len(margins) // 100],
             "margin_median": margins[len(margins) // 2], "positions": len(margins),
             "prompts": len(docs), "far_context_moves_argmax": moved}
+
+
+@contextmanager
+def tiny_layerwise_model() -> Iterator[Any]:
+    """The same tiny model as research's ``LayerwiseModel``, on one torch thread while in use
+    (as ``tests.bundled_lm.bundled_layerwise_model``)."""
+    import torch
+
+    from semkv.research import LayerwiseModel
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield LayerwiseModel.from_pretrained(tiny_model_dir())
+    finally:
+        torch.set_num_threads(threads)
