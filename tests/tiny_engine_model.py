@@ -124,15 +124,8 @@ def _measure(model: Any, tokenizer: Any) -> dict[str, Any]:
 
 @contextmanager
 def tiny_layerwise_model() -> Iterator[Any]:
-    """The same tiny model as research's ``LayerwiseModel``, on one torch thread while in use
-    (as ``tests.bundled_lm.bundled_layerwise_model``)."""
-    import torch
+    """The same tiny model as research's ``LayerwiseModel``, on one torch thread while in use."""
+    from tests.bundled_lm import layerwise_model
 
-    from semkv.research import LayerwiseModel
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield LayerwiseModel.from_pretrained(tiny_model_dir())
-    finally:
-        torch.set_num_threads(threads)
+    with layerwise_model(tiny_model_dir()) as lm:
+        yield lm
