@@ -105,8 +105,9 @@ def _settle(llm: Any) -> None:
 
 def _forget(llm: Any) -> None:
     """vLLM's prefix cache emptied (LMCache's and semkv's state kept)."""
-    _settle(llm)
-    assert llm.reset_prefix_cache(), "vLLM's prefix-cache reset failed"
+    from tests.engine_utils import settled_reset
+
+    settled_reset(llm)
 
 
 def _held(llm: Any) -> dict[str, int]:

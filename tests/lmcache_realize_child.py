@@ -88,7 +88,7 @@ def _wait_stored(llm: Any, ids: list[int], seconds: float = 60.0) -> None:
 
 def main(role: str, in_file: str, out_file: str, url: str | None = None,
          redis_url: str | None = None) -> None:
-    from tests.engine_utils import engine, semkv_metrics
+    from tests.engine_utils import engine, semkv_metrics, settled_reset
 
     data = json.loads(Path(in_file).read_text())
     result: dict[str, Any] = {"role": role}
@@ -102,7 +102,7 @@ def main(role: str, in_file: str, out_file: str, url: str | None = None,
         if role in ("realize", "host"):
             result["target"] = _generate(llm, data["target"])
         if role == "realize":
-            llm.reset_prefix_cache()  # vLLM forgets; what LMCache holds stays
+            settled_reset(llm)  # vLLM forgets; what LMCache holds stays
             result["again"] = _generate(llm, data["target"])
             time.sleep(1.0)  # what LMCache would store lands after the forward
             result["stored_after_realized"] = _stored_prefix(llm, data["target"])

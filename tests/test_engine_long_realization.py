@@ -236,8 +236,7 @@ def test_a_plan_over_the_bound_is_refused_at_planning_typed_counted_and_cold(llm
     target, cold = long_case["target"], long_case["cold"]
     spans = scheduler_side(llm).spans
     assert spans.budget is not None and spans.budget.memory_bytes == BOUND
-    op, geometry = long_case["realized"].op, realize_budget(
-        SemkvConfig.load(EXTRA), llm.llm_engine.vllm_config).geometry
+    op, geometry = long_case["realized"].op, spans.budget.geometry
     small = op.span_tokens * geometry.layers * geometry.kv_row_bytes // 4  # a quarter of the
     # span's dense KV, which any realization of it holds
     llm.reset_prefix_cache()
