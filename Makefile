@@ -2,6 +2,12 @@
 # Both create .venv on a fresh machine first (scripts/bootstrap.sh; a no-op when up to date).
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Two pytest-xdist workers, one core each (tests/conftest.py); a module stays on one worker.
+# Tests marked `alone` run afterwards, in one process, with the machine to themselves.
+# TEST_WORKERS=0 runs in this process (pytest -n 0).
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
 .PHONY: env test test-fast test-cuda-build demo bench lint docs clean
 
@@ -9,10 +15,11 @@ env:
 	@bash scripts/bootstrap.sh
 
 test: env
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PYTEST) $(XDIST) -m "not alone" $(PYTEST_ARGS)
+	$(PYTEST) -m alone $(PYTEST_ARGS) || [ $$? -eq 5 ]  # 5: PYTEST_ARGS selected none of them
 
 test-fast: env
-	$(PY) -m pytest -q -p no:cacheprovider -m "not engine" $(PYTEST_ARGS)
+	$(PYTEST) $(XDIST) -m "not engine" $(PYTEST_ARGS)
 
 # The scheduler-side suite and the namespace tests against the CUDA build of the newest
 # supported vLLM, without a GPU: its wheel's Python source (downloaded once, cached under
