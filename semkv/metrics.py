@@ -19,6 +19,10 @@ FAMILIES: dict[str, tuple[str | None, str]] = {
     "lookup_requests": (None, "Decisions made (one per request, again after a preemption)."),
     "lookup_hits": ("tier", "Decisions that admitted a donor span, by quality tier."),
     "lookup_misses": (None, "Decisions where the provider proposed no candidate."),
+    "prefix_index_hits": ("provider", "Decisions where the exact prefix index found stored "
+                                      "whole blocks from the prompt's start, by what the "
+                                      "provider answered for the same request: answered, "
+                                      "missed, failed (timed out or raised)."),
     "lookup_rejected": ("reason", "Decisions that rejected every candidate, by reason."),
     "lookup_errors": ("kind", "Provider calls that raised, timed out or answered malformed."),
     "remote_donors": (None, "Candidates registered by another engine, found through a shared "

@@ -32,7 +32,8 @@ EXACT = {"semantic_mode": "materialize_exact", "min_reuse_tokens": 64,
          "donor_store_bytes": "1MiB"}
 TOKENS = 300  # 9 full blocks + 12 tokens
 STORE_SLOTS, ENGINE_BLOCKS = 64, 40  # 1 MiB of harness slots; an engine pool of another size
-# fault kind -> (fallback reason, guard counter) for a target whose donor is stored
+# fault kind -> (fallback reason, guard counter) for a target whose donor is stored but which
+# does not start with a stored prefix (one that does is served it whatever the fault)
 PROVIDER_FAULTS = {
     "raise": ("provider_error", "errors"),
     "garbage": ("provider_error", "errors"),
@@ -106,11 +107,16 @@ def counters(h: Harness) -> dict[str, float]:
 
 @pytest.mark.parametrize("kind", sorted(PROVIDER_FAULTS))
 def test_provider_fault_falls_back_counted(kind):
+    """A target with no stored prefix (its first token differs from the donor's; the chunks
+    behind it are the donor's, so the inner provider proposes it). Where the target does
+    start with a stored prefix, it is served whatever the fault
+    (``tests/test_exact_prefix_lookup.py``)."""
     h = harness(faulty(kind))
     tokens = doc(1)
     donor_then_forget(h, tokens)
-    h.add("target", tokens)
-    assert run_checking_own_kv(h, "target", tokens)
+    target = [tokens[0] + 1, *tokens[1:]]
+    h.add("target", target)
+    assert run_checking_own_kv(h, "target", target)
     reason, guard_counter = PROVIDER_FAULTS[kind]
     assert h.outputs["target"]["semkv"]["fallback_reason"] == reason
     assert h.outputs["target"]["semkv"]["external_tokens"] == 0
@@ -303,8 +309,9 @@ def test_fail_policy_leaves_provider_faults_alone():
     reasons = _finish_reasons(h)
     tokens = doc(12)
     donor_then_forget(h, tokens)
-    h.add("target", tokens)
-    assert run_checking_own_kv(h, "target", tokens)
+    target = [tokens[0] + 1, *tokens[1:]]  # no stored prefix: the provider's answer decides
+    h.add("target", target)
+    assert run_checking_own_kv(h, "target", target)
     assert reasons["target"] == FinishReason.LENGTH
     assert h.outputs["target"]["semkv"]["fallback_reason"] == "provider_error"
     h.assert_no_leaks()

@@ -141,7 +141,7 @@ def test_unaligned_or_foreign_candidates_are_rejected(h):
                               num_tokens=96, target_start=5)]
 
     h.side.provider = GuardedProvider(Liar(Liar.Config(), None), timeout_s=1.0)
-    h.add("target", tokens)
+    h.add("target", [tokens[0] + 1, *tokens[1:]])  # no stored prefix: only the liar answers
     out = h.step()
     assert not out.kv_connector_metadata.loads
     h.run()

@@ -6,6 +6,9 @@ Protocol (driven by ``SchedulerSide.build_connector_meta``, once per step and re
   workers; once all full prompt blocks are stored the request is ``register``-ed with the
   provider as a donor.
 - ``view``: what admission may read of a donor (tokens, and how much of it is still stored).
+- ``exact_candidate``: the donor holding the longest stored run of a target's whole blocks
+  from its first (``semkv.prefix_index``), whatever the provider proposes; every registered
+  donor's block keys are indexed, and dropped with it.
 - Donors beyond ``max_donors`` are retired oldest first, unless a lease holds them.
 
 NOTE: in ``discovery_only`` (and with a shared store, which saves for itself) nothing is saved:
@@ -19,6 +22,7 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,11 +31,12 @@ from semkv.config import SemkvConfig
 from semkv.leases import LeaseTable
 from semkv.lookup import GuardedProvider
 from semkv.metrics import CounterBag
+from semkv.prefix_index import PrefixIndex, block_keys
 from semkv.provider import DonorRecord
-from semkv.types import Mode, QualityTier
+from semkv.types import Candidate, Mode, QualityTier
 from semkv_vllm.metadata import SaveOp, SemkvMetadata
 from semkv_vllm.request_state import RequestState
-from semkv_vllm.store_index import StoreIndex, block_keys
+from semkv_vllm.store_index import StoreIndex
 
 
 @dataclass
@@ -56,6 +61,7 @@ class DonorRegistry:
         self.saves_blocks = saves_blocks  # False: discovery only, or a shared store saves
         self.donors: OrderedDict[str, Donor] = OrderedDict()
         self.by_tail: dict[bytes, str] = {}  # last block's key -> donor (same prompt: one donor)
+        self.prefixes = PrefixIndex()  # every donor's block keys: the exact tier's own lookup
         self._ids = itertools.count(1)
 
     def __len__(self) -> int:
@@ -69,6 +75,23 @@ class DonorRegistry:
         stored = (self.index.stored_prefix(donor.keys) if self.materialize
                   else len(donor.keys)) * self.bs
         return DonorView(donor_id, donor.namespace, donor.token_ids, stored)
+
+    def exact_candidate(self, namespace: str, tokens: Sequence[int]) -> Candidate | None:
+        """The donor holding the longest run of ``tokens``' whole blocks from the first, as a
+        candidate; None when no donor's stored blocks start it.
+
+        NOTE: where loads read the store, a block counts only while the store holds it (the
+        walk stops at the first evicted one); in discovery_only every registered block counts.
+        """
+        stored = self._stored if self.materialize else None
+        blocks, donor_id = self.prefixes.longest(namespace, tokens, self.bs, stored=stored)
+        if donor_id is None:
+            return None
+        return Candidate(donor_id=donor_id, namespace=namespace, similarity=1.0,
+                         num_tokens=blocks * self.bs, signals={"prefix_blocks": float(blocks)})
+
+    def _stored(self, key: bytes) -> bool:
+        return self.index.get(key) is not None
 
     def capture(self, st: RequestState, computed_after: int, meta: SemkvMetadata,
                 kv_cache_manager: Any) -> None:
@@ -136,6 +159,7 @@ class DonorRegistry:
         tokens = as_tokens(st.request.prompt_token_ids[: len(st.keys) * self.bs])
         self.donors[donor_id] = Donor(donor_id, st.namespace.digest, tokens, st.keys)
         self.by_tail[tail] = donor_id
+        self.prefixes.add(donor_id, st.keys)
         self.leases.publish(donor_id)
         self.provider.register(DonorRecord(donor_id=donor_id, namespace=st.namespace.digest,
                                            token_ids=tuple(tokens)))
@@ -153,6 +177,7 @@ class DonorRegistry:
         donor = self.donors.pop(donor_id)
         if self.by_tail.get(donor.keys[-1]) == donor_id:
             del self.by_tail[donor.keys[-1]]
+        self.prefixes.remove(donor_id, donor.keys)
         assert self.provider is not None
         self.provider.evict(donor_id)
         self.stats.inc("donor_evictions")
@@ -160,3 +185,4 @@ class DonorRegistry:
     def clear(self) -> None:
         self.donors.clear()
         self.by_tail.clear()
+        self.prefixes.clear()

@@ -43,6 +43,7 @@ class RequestState:
     request_only: bool = False
     registered: bool = False
     lookup_started: bool = False
+    lookup_refused: bool = False  # its first lookup found every slot taken (a timeout)
     span: SpanHold | None = None  # a realized span's plan, leases and pinned slots
     refused_span: tuple[PlanClass, FallbackReason] | None = None  # its plan, refused by a gate
     fetching: SemanticKVMatch | None = None  # its span's answer, while its donors are looked up

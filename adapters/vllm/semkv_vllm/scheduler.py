@@ -53,6 +53,7 @@ from semkv.namespace import Namespace
 from semkv.realize.memory import Budget
 from semkv.types import (
     CachePolicy,
+    Candidate,
     FallbackReason,
     Mode,
     QualityTier,
@@ -178,10 +179,7 @@ class SchedulerSide:
         if (self.provider is not None and self.config.async_lookup and wanted
                 and supported(request)):
             st.lookup_started = self.provider.submit(lookup_query(st, 0, MAX_CANDIDATES))
-            if not st.lookup_started:
-                st.decision = SemanticKVMatch.fallback(request.request_id,
-                                                       FallbackReason.PROVIDER_TIMEOUT)
-                st.decided_for = (0, request.num_preemptions)
+            st.lookup_refused = not st.lookup_started  # decided as a timeout, exact prefix kept
 
     # -- decisions -------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, local: int) -> tuple[int | None, bool]:
@@ -246,10 +244,13 @@ class SchedulerSide:
             return None
         candidates = list(result.candidates)
         self.foreign.remote_views(result.remote, candidates)
+        exact = self._exact_candidate(st, result)
+        if exact is not None:  # the exact tier never depends on the provider's answer
+            candidates.insert(0, exact)
         if shared:
             candidates.insert(0, self.foreign.shared_candidate(st.request, st.namespace.digest,
                                                                local + shared))
-        elif result.reason is not None:
+        elif result.reason is not None and exact is None:
             return SemanticKVMatch.fallback(rid, result.reason, local_prefix_tokens=local)
         match, st.assessment = self.admission.decide(
             rid, tokens, local, candidates, self.donor_view, self.leases.acquire,
@@ -312,10 +313,22 @@ class SchedulerSide:
         donor = self.registry.donors.get(donor_id)
         return None if donor is None else donor.keys
 
+    def _exact_candidate(self, st: RequestState, result: LookupResult) -> Candidate | None:
+        """The exact prefix index's candidate (its stored whole blocks from the first), counted
+        by what the provider answered for the same request."""
+        exact = self.registry.exact_candidate(st.namespace.digest, st.request.all_token_ids)
+        if exact is not None:
+            self.stats.inc("prefix_index_hits", "failed" if result.reason is not None
+                           else "answered" if result.candidates else "missed")
+        return exact
+
     def _lookup(self, st: RequestState, local: int) -> LookupResult | None:
         assert self.provider is not None
         if not self.config.async_lookup:
             return self.provider.lookup_now(lookup_query(st, local, MAX_CANDIDATES))
+        if st.lookup_refused:  # on_new_request's submit found every lookup slot taken
+            st.lookup_refused = False
+            return LookupResult(reason=FallbackReason.PROVIDER_TIMEOUT)
         if not st.lookup_started:
             st.lookup_started = self.provider.submit(lookup_query(st, local, MAX_CANDIDATES))
             if not st.lookup_started:

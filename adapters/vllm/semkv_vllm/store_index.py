@@ -7,7 +7,8 @@ execute the copies they are told to do, so the scheduler always knows what is st
 asking.
 
 Content addressing: a block's key is a chained hash of the namespace and every token up to the
-end of that block, so identical prefixes are stored once, whoever computed them.
+end of that block (``semkv.prefix_index.block_keys``), so identical prefixes are stored once,
+whoever computed them, and the exact prefix index finds them by the same keys.
 
 NOTE: a slot's generation increases every time it is (re)assigned. Loads carry the generation
 they expect; a worker whose slot holds another generation reports the block as invalid.
@@ -16,23 +17,12 @@ NOTE: a pinned slot is never evicted; pins are released with the lease that took
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from semkv.prefix_index import block_keys
 
-def block_keys(namespace: str, tokens: Sequence[int], block_size: int, start_block: int = 0,
-               parent: bytes | None = None) -> list[bytes]:
-    """Chained 16-byte keys of every full block of ``tokens`` from ``start_block`` on."""
-    keys: list[bytes] = []
-    prev = (parent if parent is not None
-            else hashlib.blake2b(namespace.encode(), digest_size=16).digest())
-    for start in range(start_block * block_size, len(tokens) - block_size + 1, block_size):
-        chunk = array("q", tokens[start : start + block_size]).tobytes()
-        prev = hashlib.blake2b(prev + chunk, digest_size=16).digest()
-        keys.append(prev)
-    return keys
+__all__ = ["StoreIndex", "block_keys"]  # block_keys: the keys are semkv.prefix_index's
 
 
 class StoreIndex:
