@@ -52,13 +52,21 @@ FAMILIES: dict[str, tuple[str | None, str]] = {
     "realize_refused": ("reason", "Realized-span plans refused: class (the gate policy does "
                                   "not serve the plan's class), cost (predicted gain under "
                                   "realize_min_gain), memory (over realize_memory_bytes), "
-                                  "tensor_parallel (realized spans run at TP=1 only)."),
+                                  "tensor_parallel (realized spans run at TP=1 only), stale "
+                                  "(a donor or a block it reads gone since the lookup)."),
     "would_realize_spans": ("class", "discovery_only: plans a realization would make that the "
                                      "gate policy would serve, by plan class."),
     "would_refuse_spans": ("class", "discovery_only: plans a realization would make that the "
                                     "gate policy would refuse (uncertified_class), by class."),
-    "span_refused": ("class", "Realized-span plans refused by the class, cost or memory gate, "
-                              "by the class of the plan's shape (semkv.plan_class)."),
+    "span_refused": ("class", "Realized-span plans refused (class, cost or memory gate, "
+                              "tensor parallelism, a stale donor), by the class of the plan's "
+                              "shape (semkv.plan_class)."),
+    "refused_kept_exact": ("reason", "Requests whose non-exact reuse (a realized plan or one "
+                                     "donor's span) was refused, by the refusal's reason, and "
+                                     "that were served their longest stored exact prefix "
+                                     "instead (worker-confirmed)."),
+    "refused_kept_exact_tokens": ("reason", "The exact-prefix tokens those requests were "
+                                            "served, by the refusal's reason."),
     "transfers_cancelled": (None, "Realizations and donor fetches dropped because their "
                                   "request was aborted (its blocks are never written)."),
     "transfer_timeouts": (None, "Realizations and donor fetches past transfer_timeout_s: "

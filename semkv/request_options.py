@@ -18,7 +18,8 @@ ignored (and counted), so a client can never change how an engine reuses KV unle
   ``--kv-cache-dtype fp8`` deployments accept (``semkv bench --preset frontier``).
 
 Every option changes only the requesting request's own KV (reuse stays REQUEST_ONLY). Bad
-options (unknown keys, wrong types) end in normal prefill, counted as
+options (unknown keys, wrong types) end in the exact tier only (the request's stored exact
+prefix, as any request is served; no lookup, no non-identical reuse), counted as
 ``lookup_errors{kind="request_options"}``: nothing fails because of them.
 
 NOTE: no torch, no vLLM here; the adapter turns ``recompute`` into the engine's strategy.

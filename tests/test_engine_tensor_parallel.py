@@ -21,7 +21,9 @@ tier, ``realize_spans``, request options, the commit-policy scheduler), so the t
 engine realizes (``tests/test_engine_lifecycle.py`` realizes the same kind of target). Under
 TP=3 the scheduler makes the plan, then releases it: counted
 ``realize_refused{reason="tensor_parallel"}``, the request falls back ``unsupported_request``
-(normal prefill), its output the cold one, nothing held after.
+(normal prefill), its output the cold one, nothing held after. A target that also starts with
+a stored prefix is served that prefix after the refusal (``refused_kept_exact``), its output
+vLLM's own prefix hit.
 """
 
 from __future__ import annotations
@@ -189,3 +191,34 @@ def test_an_exact_hit_loads_every_ranks_shard_and_equals_vllms_own_hit(llm):
     # every rank confirmed its shard (the worker metadata keeps the minimum over ranks)
     assert summary["confirmed_loaded_tokens"] == summary["external_tokens"]
     assert _tokens(semkv) == _tokens(reference)
+
+
+def test_a_plan_refused_under_tensor_parallelism_keeps_the_exact_prefix(llm):
+    """The target also starts with a stored prefix (four whole blocks another prompt shares):
+    the plan over it is refused, the prefix is served on every rank as vLLM's own hit would."""
+    donor, target, bystander = _cluster(llm, seed=5)
+    exact = 4 * BLOCK
+    opener = target[:exact] + bystander[:200]  # shares the target's first four blocks only
+    llm.reset_prefix_cache(reset_connector=True)
+    _run(llm, opener, max_tokens=1, **OUT_OF_IT)
+    own_hit = _run(llm, target, **OUT_OF_IT)
+    assert own_hit.num_cached_tokens == exact  # vLLM's own prefix hit: the reference
+    llm.reset_prefix_cache(reset_connector=True)
+    _run(llm, donor, max_tokens=1, lookup=False)
+    _run(llm, opener, max_tokens=1, lookup=False)
+    llm.reset_prefix_cache()  # vLLM forgets both; semkv keeps them
+    before = _metrics(llm)
+
+    warm = _run(llm, target, save=False)
+    s = _summary(warm)
+    delta = {k: v - before.get(k, 0.0) for k, v in _metrics(llm).items()}
+    assert delta.get(REFUSED_TP) == 1, delta  # the plan beat the prefix, then was refused
+    assert s["provenance"] == "exact_external_kv_hit" and s["tier"] == "exact", s
+    assert s["external_tokens"] == s["confirmed_loaded_tokens"] == exact, s
+    assert s["span_refused"]["reason"] == "unsupported_request", s
+    assert s["span_refused"]["class"] is not None, s
+    kept = "vllm:semkv_refused_kept_exact"
+    assert delta.get(f"{kept}:reason=unsupported_request") == 1, delta
+    assert delta.get(f"{kept}_tokens:reason=unsupported_request") == exact, delta
+    assert _tokens(warm) == _tokens(own_hit)
+    assert _metrics(llm).get("vllm:semkv_live_leases") == 0

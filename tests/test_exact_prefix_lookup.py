@@ -113,3 +113,51 @@ def test_the_provider_s_longer_exact_candidate_is_not_shortened_by_the_index():
     assert h.outputs["target"]["semkv"]["confirmed_loaded_tokens"] == 9 * BLOCK
     assert counters(h).get("prefix_index_hits:answered", 0) == 1
     h.assert_no_leaks()
+
+
+def test_an_exact_prefix_whose_block_left_the_store_is_served_up_to_that_block():
+    """A block of the admitted prefix leaves the store between admission and the pin (fault
+    injected: the scheduler's one thread never interleaves them): the request is served the
+    blocks before it, named as a ``donor_stale`` refusal, never nothing."""
+    h = harness(_never_proposes())
+    tokens = doc(11, 8 * BLOCK + 5)
+    donor_then_forget(h, tokens)
+    donor = next(iter(h.side.registry.donors.values()))
+    decide = h.side.admission.decide
+
+    def evicting_after(*args, **kwargs):
+        out = decide(*args, **kwargs)
+        h.side.index.drop(donor.keys[5])  # blocks 0-4 stay
+        return out
+
+    h.side.admission.decide = evicting_after
+    target = tokens[: 7 * BLOCK] + doc(12, 40)
+    h.add("target", target)
+    assert run_checking_own_kv(h, "target", target)
+    summary = h.outputs["target"]["semkv"]
+    assert summary["provenance"] == "exact_external_kv_hit", summary
+    assert summary["confirmed_loaded_tokens"] == summary["external_tokens"] == 5 * BLOCK
+    assert summary["span_refused"] == {"class": None, "reason": "donor_stale"}
+    got = counters(h)
+    assert got.get("refused_kept_exact:donor_stale") == 1, got
+    assert got.get("refused_kept_exact_tokens:donor_stale") == 5 * BLOCK, got
+    h.assert_no_leaks()
+
+
+def test_options_that_do_not_parse_still_get_the_exact_prefix():
+    """Bad ``semkv_options`` refuse whatever the options could change (counted), not the exact
+    tier, which serves every request alike."""
+    h = harness(_never_proposes({"request_options": True}))
+    tokens = doc(13, 6 * BLOCK)
+    donor_then_forget(h, tokens)
+    target = tokens + doc(14, 50)
+    h.add("target", target, kv_transfer_params={"semkv_options": {"reuse_untill": 64}})
+    assert run_checking_own_kv(h, "target", target)
+    summary = h.outputs["target"]["semkv"]
+    assert summary["provenance"] == "exact_external_kv_hit", summary
+    assert summary["confirmed_loaded_tokens"] == 6 * BLOCK
+    assert summary["span_refused"] == {"class": None, "reason": "unsupported_request"}
+    got = counters(h)
+    assert got.get("lookup_errors:request_options") == 1, got
+    assert got.get("refused_kept_exact:unsupported_request") == 1, got
+    h.assert_no_leaks()

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from semkv.realize.recompute import RecomputeStrategy
     from semkv_vllm.page_layout import PageLayout
 
-BAD = "request_options"  # lookup_errors kind: options that do not parse (normal prefill)
+BAD = "request_options"  # lookup_errors kind: options that do not parse (exact tier only)
 IGNORED = "request_options_ignored"  # lookup_errors kind: options sent, not allowed
 
 

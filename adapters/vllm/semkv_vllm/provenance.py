@@ -44,6 +44,10 @@ def account(stats: CounterBag, st: RequestState) -> dict[str, Any]:
         stats.inc("external_tokens", tier, d.external_prefix_tokens)
         if st.span is not None:
             stats.inc("realized_spans", plan_class(st.span.plan))
+        elif st.refused_span is not None and tier is QualityTier.EXACT:
+            refusal = st.refused_span[1]  # the exact prefix served after that refusal
+            stats.inc("refused_kept_exact", refusal)
+            stats.inc("refused_kept_exact_tokens", refusal, d.external_prefix_tokens)
         reason = None
     else:
         if st.load_failed and not st.errored:  # under policy fail vLLM computes nothing
@@ -84,8 +88,10 @@ def account(stats: CounterBag, st: RequestState) -> dict[str, Any]:
                   "class": str(plan_class(st.span.plan)),
                   "predicted_gain": d.metadata.get("predicted_gain") if d is not None else None}
                  if st.span is not None and tier is not None else None),
-        # a realized plan a gate refused: its class and the gate's reason
-        "span_refused": ({"class": str(st.refused_span[0]), "reason": str(st.refused_span[1])}
+        # non-exact reuse refused: the plan's class (None: one donor's span) and the reason;
+        # an exact prefix served after it is this summary's tier and external_tokens
+        "span_refused": ({"class": None if st.refused_span[0] is None
+                          else str(st.refused_span[0]), "reason": str(st.refused_span[1])}
                          if st.refused_span is not None else None),
     }
 

@@ -45,12 +45,14 @@ class RequestState:
     lookup_started: bool = False
     lookup_refused: bool = False  # its first lookup found every slot taken (a timeout)
     span: SpanHold | None = None  # a realized span's plan, leases and pinned slots
-    refused_span: tuple[PlanClass, FallbackReason] | None = None  # its plan, refused by a gate
+    # Its non-exact reuse, refused: the plan's class (None: a single donor's span or no plan)
+    # and the reason. Served or not, an exact prefix may still have been (its decision).
+    refused_span: tuple[PlanClass | None, FallbackReason] | None = None
     fetching: SemanticKVMatch | None = None  # its span's answer, while its donors are looked up
     fetch_key: tuple[int, int] | None = None  # (local prefix, preemptions) of that lookup
     fetch_started: float = 0.0  # time.monotonic() when that lookup was sent
     options: RequestOptions | None = None  # its semkv_options (request_options: true)
-    bad_options: bool = False  # it sent options that do not parse: normal prefill
+    bad_options: bool = False  # it sent options that do not parse: exact tier only
     # its span's strategy (read_options: the engine's, or its options' over it)
     recompute: RecomputeStrategy = field(default_factory=RecomputeStrategy)
 

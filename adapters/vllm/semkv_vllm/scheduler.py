@@ -220,12 +220,16 @@ class SchedulerSide:
     def _decide(self, st: RequestState, local: int) -> SemanticKVMatch | None:
         rid = st.request.request_id
         tokens = st.request.all_token_ids
+        st.refused_span = None
         if full_prompt_cap(len(tokens), local, len(tokens), self.bs,
                            synchronous=not self.async_load) == 0:
             return SemanticKVMatch.fallback(rid, FallbackReason.EXACT_PREFIX_SUFFICIENT,
                                             local_prefix_tokens=local)
-        if not (self.engine_supported and supported(st.request)) or st.bad_options:
+        if not (self.engine_supported and supported(st.request)):
             return SemanticKVMatch.fallback(rid, FallbackReason.UNSUPPORTED_REQUEST)
+        if st.bad_options:  # the exact tier needs no option: served as to any request
+            return self._keep_exact(st, local, SemanticKVMatch.fallback(
+                rid, FallbackReason.UNSUPPORTED_REQUEST, local_prefix_tokens=local))
         if st.options is not None and not st.options.lookup:
             return SemanticKVMatch.fallback(rid, FallbackReason.PROVIDER_DISABLED)
         if not st.namespace.is_complete:
@@ -276,20 +280,51 @@ class SchedulerSide:
             self.span_decision.count_would(st, local, candidates)
         if self.spans is not None and not (match.is_hit and self.foreign.is_shared(match.donor_id)):
             realized = self.span_decision.realize(st, local, candidates, match)
-            if realized is not None and self.fetches is not None:
+            if realized is not None and realized.is_hit and self.fetches is not None:
                 return self.fetches.start(st, realized)  # its donors' KV is fetched first
             if realized is not None:
-                return realized
+                return realized if realized.is_hit else self._keep_exact(st, local, realized)
         if match.is_hit and match.quality_tier is not QualityTier.EXACT:
             refusal = self.span_decision.refuse_non_exact(st.assessment)
             if refusal is not None:
                 self.leases.release(match.donor_lease_id or "")
-                return SemanticKVMatch.fallback(rid, refusal, local_prefix_tokens=local)
+                return self._keep_exact(st, local, SemanticKVMatch.fallback(
+                    rid, refusal, local_prefix_tokens=local))
         if match.is_hit and not self._pin(st, match):
             self.leases.release(match.donor_lease_id or "")
-            return SemanticKVMatch.fallback(rid, FallbackReason.DONOR_STALE,
-                                            local_prefix_tokens=local)
+            return self._keep_exact(st, local, SemanticKVMatch.fallback(
+                rid, FallbackReason.DONOR_STALE, local_prefix_tokens=local))
         return match
+
+    def _keep_exact(self, st: RequestState, local: int,
+                    refused: SemanticKVMatch) -> SemanticKVMatch:
+        """After a refusal of other reuse (``refused``, a fallback): the longest stored exact
+        prefix when there is one, its summary naming the refusal (``refused_span``); else the
+        refusal. Looked up afresh: a stale donor's evicted blocks end the prefix before them.
+
+        NOTE: the exact tier passes no class, cost or memory gate (its KV is the request's own,
+        byte for byte): whatever refused the other reuse cannot refuse it.
+        """
+        shared = self.foreign.is_shared(refused.donor_id)
+        exact = (None if shared or not self.materialize
+                 else self.registry.exact_candidate(st.namespace.digest, st.request.all_token_ids))
+        if exact is None or refused.fallback_reason is None:
+            return refused
+        rid = st.request.request_id
+        match, assessment = self.admission.decide(
+            rid, st.request.all_token_ids, local, [exact], self.donor_view, self.leases.acquire,
+            st.namespace, synchronous=not self.async_load)
+        capped = cap_match(match, st.options.reuse_until if st.options else None, self.bs)
+        if capped is None or not capped.is_hit or capped.quality_tier is not QualityTier.EXACT:
+            self.leases.release(match.donor_lease_id or "")
+            return refused
+        st.assessment = assessment
+        if not self._pin(st, capped):
+            self.leases.release(capped.donor_lease_id or "")
+            return refused
+        cls = st.refused_span[0] if st.refused_span is not None else None
+        st.refused_span = (cls, refused.fallback_reason)
+        return capped
 
     def loads_from_shared(self, request_id: str) -> bool:
         """Is this request's admitted span the shared store's own prefix (its connector loads)?"""

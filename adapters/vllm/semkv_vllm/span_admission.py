@@ -13,7 +13,8 @@ Protocol (``SchedulerSide._decide`` calls ``plan`` after admission judged the ca
    (``semkv.realize.memory``, the same estimate the worker checks before allocating) must fit:
    else ``allocation_failed``, counted ``realize_refused{reason=memory}``, nothing held.
 3. One lease per donor, then every donor block a copy reads is pinned in the store, before any
-   token is reported. Anything missing ends in ``donor_stale`` with everything released.
+   token is reported. Anything missing ends in ``donor_stale`` with everything released,
+   counted ``realize_refused{reason=stale}``.
    With a shared KV store (``fetch_chunk`` set: ``donor_store: lmcache``) donors' KV is not in
    the host store: each donor's prefix up to the last block a copy reads gets free slots of
    its own, private to the request and pinned, and a ``FetchOp`` that fills them from the
@@ -216,8 +217,9 @@ class SpanAdmission:
                         chunk_tokens=None if self.budget is None else self.budget.chunk_tokens)
         held = (self._hold(hold) if self.fetch_chunk is None
                 else self._hold_for_fetch(hold, request_id, donors))
-        if not held:
+        if not held:  # a donor dropped, or a block it reads evicted, since the lookup
             self.release(hold)
+            self._refused("stale", cls)
             return FallbackReason.DONOR_STALE
         copied = sum(1 for s in plan.segments if not s.is_gap)
         match = SemanticKVMatch(

@@ -12,10 +12,11 @@ Called from ``SchedulerSide._decide`` with the request's candidates and the admi
 NOTE: with realization on, one donor's KV is never laid over differing target tokens: a
 non-exact single-donor match that no plan beats falls back.
 NOTE: a plan the gate policy does not serve (``uncertified_class``), the cost gate prices under
-``realize_min_gain`` (``low_predicted_gain``) or the engine's own limits refuse
+``realize_min_gain`` (``low_predicted_gain``), the engine's own limits refuse
 (``realize_memory_bytes``: ``allocation_failed``; tensor parallelism: ``unsupported_request``)
-is reported as that refusal, counted in ``realize_refused``, not as the admission's reason for
-the single-donor match.
+or that finds a donor gone (``donor_stale``) is reported as that refusal with the plan's class
+(``RequestState.refused_span``), counted in ``realize_refused``, not as the admission's reason
+for the single-donor match. An exact match the plan would have beaten is served instead.
 """
 
 from __future__ import annotations
@@ -33,10 +34,6 @@ if TYPE_CHECKING:
     from semkv_vllm.scheduler import SchedulerSide
 
 
-_GATED = frozenset({FallbackReason.ALLOCATION_FAILED, FallbackReason.UNCERTIFIED_CLASS,
-                    FallbackReason.LOW_PREDICTED_GAIN})
-
-
 class SpanDecision:
     def __init__(self, side: SchedulerSide) -> None:
         self.side = side  # the worker-reported state, holds and counters live there
@@ -47,7 +44,6 @@ class SpanDecision:
         side = self.side
         assert side.spans is not None
         rid = st.request.request_id
-        st.refused_span = None
         exact = match if match.is_hit and match.quality_tier is QualityTier.EXACT else None
         refusal = self.refuse_non_exact(st.assessment, realize=True)
         planned = (refusal if refusal is not None else side.spans.plan(
@@ -55,15 +51,18 @@ class SpanDecision:
             st.namespace.digest, exact, st.recompute,
             st.options.reuse_until if st.options is not None else None,
             request_recompute=st.options is not None and st.options.recompute is not None))
-        # the request falls back as the gate's reason (a plan is a tuple: not hashable)
-        engine_refused = isinstance(planned, FallbackReason) and planned in _GATED
-        if isinstance(planned, FallbackReason) and engine_refused \
-                and side.spans.refused_class is not None:
-            st.refused_span = (side.spans.refused_class, planned)
+        # a plan was made, then refused (a gate, the engine's limits, a stale donor): the
+        # request falls back as that refusal (a plan is a tuple: not hashable)
+        refused_class = side.spans.refused_class if isinstance(planned, FallbackReason) else None
         if not isinstance(planned, FallbackReason) and side.tensor_parallel > 1:
+            refused_class = plan_class(planned[1].plan)
             side.spans.release(planned[1])
             side.stats.inc("realize_refused", "tensor_parallel")
-            planned, engine_refused = FallbackReason.UNSUPPORTED_REQUEST, True
+            side.stats.inc("span_refused", refused_class.value)
+            planned = FallbackReason.UNSUPPORTED_REQUEST
+        engine_refused = refused_class is not None
+        if isinstance(planned, FallbackReason) and engine_refused:
+            st.refused_span = (refused_class, planned)
         if not isinstance(planned, FallbackReason):
             if match.is_hit:
                 side.leases.release(match.donor_lease_id or "")
