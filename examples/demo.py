@@ -80,8 +80,6 @@ def main() -> None:
     console = Console(width=max(Console().width, 180))  # keep the table readable in CI logs
     extra: dict[str, Any] = {"provider": args.provider, "semantic_mode": args.mode,
                              "min_reuse_tokens": 128}
-    if args.provider == "minhash":  # a low LSH threshold: admission copies identical tokens only
-        extra["provider_config"] = {"threshold": 0.1}
     config = {
         "kv_connector": "SemanticKVConnector", "kv_connector_module_path": "semkv_vllm.connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",

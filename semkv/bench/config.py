@@ -76,12 +76,11 @@ ARMS: dict[str, Arm] = {
              provider_config={"threshold": 0.01}),
         # Realized spans: the verified tier only (identical tokens copied from one or more
         # donors, every other span token computed through the engine), default gates.
-        # MinHash's default LSH threshold (0.3) misses a RAG target's one-passage donors: each
-        # holds only 1/k of the target's shingles (Jaccard ~0.25-0.35 for k = 3-4), so the
-        # plan would see one donor or none. 0.1 finds them; admission still copies identical
-        # tokens only, so a looser discovery cannot serve foreign KV (negatives measure that).
-        _arm("materialize_realized:minhash", "materialize_semantic", "minhash", **_REALIZED,
-             provider_config={"threshold": 0.1}),
+        # MinHash at its default LSH threshold (0.1; the former 0.3 missed a RAG target's
+        # one-passage donors: each holds only 1/k of the target's shingles, Jaccard ~0.25-0.35
+        # for k = 3-4). Admission still copies identical tokens only, so a loose discovery
+        # cannot serve foreign KV (negatives measure that).
+        _arm("materialize_realized:minhash", "materialize_semantic", "minhash", **_REALIZED),
         # chunk hashes find block-aligned shared runs at any offset (no threshold to tune)
         _arm("materialize_realized:chunks", "materialize_semantic", "chunks", **_REALIZED),
     )

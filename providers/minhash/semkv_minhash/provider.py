@@ -58,12 +58,14 @@ class MinHashConfig(SharedStoreConfig):
         default=128, ge=16, le=1024, description="MinHash permutations (signature length)."
     )
     threshold: float = Field(
-        default=0.3,
+        default=0.1,
         gt=0.0,
         lt=1.0,
         description=(
-            "LSH Jaccard threshold: where the band S-curve is tuned to switch. The default 0.3 "
-            "keeps donors that share about half of the target's content (Jaccard 1/3 to 1/2)."
+            "LSH Jaccard threshold: where the band S-curve is tuned to switch. The default 0.1 "
+            "keeps a RAG target's one-passage donors (Jaccard about 0.25-0.35 against a "
+            "three-passage prompt), which 0.3 misses; admission re-verifies every candidate "
+            "against token ids, so a loose threshold costs lookups, never wrong reuse."
         ),
     )
     shingle_tokens: int = Field(
