@@ -8,7 +8,9 @@ semkv summaries and counters go out through JSON files; nothing is printed.
 Roles:
 - ``donor``: computes the prompt once (LMCache stores its chunks; semkv registers the donor).
 - ``reuse``: runs the prompt (served from the shared store, exact tier), then runs it again:
-  the second run is vLLM's own prefix hit, the reference for the first.
+  the second run is vLLM's own prefix hit, the reference for the first. Without a discovery
+  server it then empties vLLM's cache and runs a longer prompt that starts with the stored one
+  (LMCache's own prefix lookup serves its chunks), then that again (vLLM's own hit).
 
 With ``REDIS_URL`` both roles also share discovery through that server (instance id = role),
 and ``reuse`` pauses after its first request: it writes ``OUT.ready`` and waits for
@@ -22,6 +24,10 @@ import json
 import sys
 import time
 from pathlib import Path
+
+LONGER = ("\n\nNow a second question, with more context: the reader has read the essay twice "
+          "and disagrees with its conclusion. What would the author answer to that reader, "
+          "and which passage of the essay supports the answer best?\nAnswer:")
 
 
 def semkv_config(url: str, redis_url: str | None = None, role: str = "") -> dict[str, object]:
@@ -73,6 +79,10 @@ def main(role: str, url: str, prompt_file: str, out_file: str,
                 settled_reset(llm)  # vLLM forgets: the next run asks semkv again
                 result["outage"] = _run(llm, prompt)
             result["local"] = _run(llm, prompt)
+            if not redis_url:  # a longer prompt that starts with the stored one
+                settled_reset(llm)  # vLLM forgets: only LMCache holds the prompt's chunks
+                result["longer"] = _run(llm, prompt + LONGER)
+                result["longer_local"] = _run(llm, prompt + LONGER)  # vLLM's own hit
         result["metrics"] = semkv_metrics(llm)
     Path(out_file).write_text(json.dumps(result))
 

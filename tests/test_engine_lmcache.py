@@ -182,7 +182,9 @@ def test_second_process_reuses_donor_of_first_through_lmcache(lmcache_url, tmp_p
         "second_process": {k: summary[k] for k in ("provenance", "tier", "external_tokens",
                                                    "confirmed_loaded_tokens")},
         "loaded_tokens_counter": reuse["metrics"].get("vllm:semkv_loaded_tokens"),
-        "rerun_local_prefix_tokens": local["semkv"]["local_prefix_tokens"]}))
+        "rerun_local_prefix_tokens": local["semkv"]["local_prefix_tokens"],
+        "longer_prompt": {k: reuse["longer"]["semkv"][k] for k in (
+            "provenance", "external_tokens", "confirmed_loaded_tokens")}}))
     # The fresh process found the prompt in the LMCache server and loaded it, exact tier.
     assert summary["provenance"] == "exact_external_kv_hit", summary
     assert summary["tier"] == "exact" and summary["external_tokens"] >= 256
@@ -191,6 +193,14 @@ def test_second_process_reuses_donor_of_first_through_lmcache(lmcache_url, tmp_p
     # The rerun in the same process is vLLM's own prefix hit: the reference.
     assert local["semkv"]["local_prefix_tokens"] >= summary["external_tokens"]
     assert shared["tokens"] == local["tokens"]
+    # A longer prompt that starts with the stored one: the exact prefix lookup is LMCache's own
+    # (its chunk keys chain the prompt's tokens), asked before and whatever the provider says.
+    longer = reuse["longer"]["semkv"]
+    assert longer["provenance"] == "exact_external_kv_hit" and longer["tier"] == "exact", longer
+    assert summary["external_tokens"] - 256 <= longer["external_tokens"], (longer, summary)
+    assert longer["confirmed_loaded_tokens"] >= longer["external_tokens"] >= 256, longer
+    assert reuse["longer_local"]["semkv"]["local_prefix_tokens"] > longer["external_tokens"]
+    assert reuse["longer"]["tokens"] == reuse["longer_local"]["tokens"]
 
 
 def test_replicas_share_discovery_in_redis_and_kv_in_lmcache(lmcache_url, redis_server,  # noqa: F811
