@@ -70,6 +70,9 @@ def ttft(llm: Any, prompt: str) -> tuple[float, dict[str, Any]]:
                                          **((out.kv_transfer_params or {}).get("semkv", {}))}
 
 
+COMMIT_POLICY = "semkv_vllm.commit_policy.CommitPolicyScheduler"  # as the README serves
+
+
 def build(extra: dict[str, Any] | None, max_len: int) -> Any:
     from vllm import LLM
 
@@ -83,6 +86,8 @@ def build(extra: dict[str, Any] | None, max_len: int) -> Any:
                               disable_log_stats=False)  # semkv_seconds reads the metrics
     if extra is not None:
         kw["kv_transfer_config"] = dict(CONNECTOR, kv_connector_extra_config=extra)
+        if extra.get("semantic_mode") == "materialize_semantic":  # request-only loads need it
+            kw["scheduler_cls"] = COMMIT_POLICY
     return LLM(**kw)
 
 

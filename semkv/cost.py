@@ -311,10 +311,13 @@ class EngineRates:
     def realize_seconds(self, work: RealizeWork) -> float | None:
         return self.realize.predict(work.features())
 
-    def predict(self, local: int, span: int, prompt: int, work: RealizeWork) -> Prediction | None:
+    def predict(self, local: int, span: int, prompt: int, work: RealizeWork, *,
+                fallback_from: int | None = None) -> Prediction | None:
         """A request of ``prompt`` tokens, ``local`` of them in vLLM's prefix cache, realized up
-        to ``span``, against its fallback (vLLM prefilling everything after ``local``)."""
-        cold = self.prefill_seconds(local, prompt)
+        to ``span``, against its fallback: vLLM prefilling everything after ``local``, or after
+        ``fallback_from`` where an exact prefix up to there would be served instead (its load
+        is not priced: a block copy, far cheaper than the prefill it saves)."""
+        cold = self.prefill_seconds(local if fallback_from is None else fallback_from, prompt)
         tail = self.prefill_seconds(span, prompt)
         realize = self.realize_seconds(work)
         if cold is None or tail is None or realize is None:

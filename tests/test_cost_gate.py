@@ -425,6 +425,48 @@ def test_a_gap_heavy_plan_is_refused_typed_counted_holding_nothing() -> None:
     spans.release(hold)
 
 
+def test_a_plan_is_priced_against_the_exact_prefix_it_would_replace() -> None:
+    """A plan that copies more than the request's stored exact prefix must beat that prefix's
+    own TTFT (its load, then the prefill after it), not a cold prefill of the whole prompt."""
+    _vllm()
+    from semkv.admission import DonorView
+    from semkv.metrics import CounterBag
+    from semkv.realize.recompute import RecomputeStrategy
+    from semkv.types import (
+        Candidate,
+        FallbackReason,
+        Materialization,
+        QualityTier,
+        SemanticKVMatch,
+    )
+
+    stats = CounterBag()
+    spans, index, leases, tokens = _admission(stats)
+    view = {"d": DonorView("d", NS, tokens["d"], 0)}.get
+    candidates = [Candidate(donor_id="d", namespace=NS, similarity=0.5)]
+    target = tokens["copied"]
+
+    def exact(n: int) -> SemanticKVMatch:  # an exact match of n tokens (its counts only)
+        return SemanticKVMatch(request_id="r", donor_id="e", donor_lease_id="l", similarity=1.0,
+                               external_prefix_tokens=n, donor_prefix_tokens=n,
+                               materialization=Materialization.SYNC,
+                               quality_tier=QualityTier.EXACT)
+
+    alone = spans.plan("r1", target, 0, candidates, view, NS, None, RecomputeStrategy())
+    assert not isinstance(alone, FallbackReason), alone
+    spans.release(alone[1])
+    cold_s = spans.cost.last.cold_s
+    short = spans.plan("r2", target, 0, candidates, view, NS, exact(4 * BS), RecomputeStrategy())
+    assert not isinstance(short, FallbackReason), short  # still far faster than its fallback
+    spans.release(short[1])
+    assert spans.cost.last.cold_s < cold_s  # the fallback serves 4 blocks: less to prefill
+    near = spans.plan("r3", target, 0, candidates, view, NS, exact(1856), RecomputeStrategy())
+    assert near is FallbackReason.LOW_PREDICTED_GAIN, near  # slower than serving the prefix
+    assert spans.cost.last.cold_s < cold_s / 5
+    assert stats.counters["realize_refused:cost"] == 1
+    assert leases.live_count() == 0 and index.pinned_slots() == 0
+
+
 def test_the_request_summary_carries_the_predicted_gain() -> None:
     _vllm()
     from semkv_vllm.provenance import account

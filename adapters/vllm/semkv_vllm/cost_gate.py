@@ -2,8 +2,11 @@
 
 ``EngineCost`` (built in the scheduler process, ``SpanAdmission.cost``) prices a plan with
 ``semkv.cost``: the worker's realization of the span plus vLLM's prefill of the tail after it,
-against vLLM's prefill of everything after the local prefix (the request's fallback), in
-chunks of ``max_num_batched_tokens``. The gain is the point prediction discounted by the fits'
+against the request's fallback, in chunks of ``max_num_batched_tokens``: vLLM's prefill of
+everything after the local prefix, or, where the request has a stored exact prefix that would
+be served instead (``exact_end``), of everything after that prefix. A plan that copies more
+tokens than the exact prefix but would answer later than it is refused, and the exact prefix
+served. The gain is the point prediction discounted by the fits'
 own measured errors (``semkv.cost.Prediction.gain``); a plan predicted under
 ``realize_min_gain`` falls back ``low_predicted_gain`` (``span_admission.py`` counts it), and a
 served one carries that figure as ``predicted_gain``. The rates are the engine's own:
@@ -150,16 +153,17 @@ class EngineCost:
         return cls(int(vllm_config.scheduler_config.max_num_batched_tokens),
                    int(mc.get_num_layers(pc)))
 
-    def predict(self, plan: SpanPlan, recompute: RecomputeStrategy,
-                prompt_tokens: int) -> Prediction | None:
+    def predict(self, plan: SpanPlan, recompute: RecomputeStrategy, prompt_tokens: int, *,
+                exact_end: int | None = None) -> Prediction | None:
         work = plan_work(plan, recompute, prompt_tokens, layers=self.layers,
                          chunk_tokens=self.chunk_tokens)
-        self.last = self.rates.predict(plan.local_tokens, plan.span_tokens, prompt_tokens, work)
+        self.last = self.rates.predict(plan.local_tokens, plan.span_tokens, prompt_tokens, work,
+                                       fallback_from=exact_end)
         return self.last
 
-    def predicted_gain(self, plan: SpanPlan, recompute: RecomputeStrategy,
-                       prompt_tokens: int) -> float | None:
-        p = self.predict(plan, recompute, prompt_tokens)
+    def predicted_gain(self, plan: SpanPlan, recompute: RecomputeStrategy, prompt_tokens: int,
+                       *, exact_end: int | None = None) -> float | None:
+        p = self.predict(plan, recompute, prompt_tokens, exact_end=exact_end)
         return None if p is None else p.gain
 
     def observe(self, meta: SemkvWorkerMetadata) -> None:

@@ -136,10 +136,12 @@ def plan_working_set(budget: Budget, plan: SpanPlan, recompute: RecomputeStrateg
 
 
 class CostGate(Protocol):
-    """Predicts a plan's TTFT gain over a cold prefill of the whole prompt (``cost_gate.py``)."""
+    """Predicts a plan's TTFT gain over the request's fallback: a cold prefill after the local
+    prefix, or after the exact prefix that would be served instead (``cost_gate.py``)."""
 
-    def predicted_gain(self, plan: SpanPlan, recompute: RecomputeStrategy,
-                       prompt_tokens: int) -> float | None: ...  # None: cannot predict yet
+    def predicted_gain(self, plan: SpanPlan, recompute: RecomputeStrategy, prompt_tokens: int,
+                       *, exact_end: int | None = None,
+                       ) -> float | None: ...  # None: cannot predict yet
 
 
 class ClassGate(Protocol):
@@ -203,8 +205,11 @@ class SpanAdmission:
                 return gated
             if not request_recompute:  # a request's own recompute option wins (measurement)
                 recompute = gated
+        # priced against the request's fallback: the exact prefix served when there is one
+        exact_end = (None if exact is None
+                     else exact.local_prefix_tokens + exact.external_prefix_tokens)
         gain = (None if self.cost is None
-                else self.cost.predicted_gain(plan, recompute, len(target)))
+                else self.cost.predicted_gain(plan, recompute, len(target), exact_end=exact_end))
         if gain is not None and gain < self.config.realize_min_gain:
             self._refused("cost", cls)
             return FallbackReason.LOW_PREDICTED_GAIN
