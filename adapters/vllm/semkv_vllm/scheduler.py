@@ -305,9 +305,9 @@ class SchedulerSide:
         NOTE: the exact tier passes no class, cost or memory gate (its KV is the request's own,
         byte for byte): whatever refused the other reuse cannot refuse it.
         """
-        shared = self.foreign.is_shared(refused.donor_id)
-        exact = (None if shared or not self.materialize
-                 else self.registry.exact_candidate(st.namespace.digest, st.request.all_token_ids))
+        # NOTE: with a shared KV store (LMCache) the host store holds no blocks: never found
+        exact = (self.registry.exact_candidate(st.namespace.digest, st.request.all_token_ids)
+                 if self.materialize else None)
         if exact is None or refused.fallback_reason is None:
             return refused
         rid = st.request.request_id
@@ -318,10 +318,10 @@ class SchedulerSide:
         if capped is None or not capped.is_hit or capped.quality_tier is not QualityTier.EXACT:
             self.leases.release(match.donor_lease_id or "")
             return refused
-        st.assessment = assessment
-        if not self._pin(st, capped):
+        if not self._pin(st, capped):  # an exact load pins by its counts (no assessment)
             self.leases.release(capped.donor_lease_id or "")
             return refused
+        st.assessment = assessment
         cls = st.refused_span[0] if st.refused_span is not None else None
         st.refused_span = (cls, refused.fallback_reason)
         return capped
