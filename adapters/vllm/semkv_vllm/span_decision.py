@@ -53,7 +53,9 @@ class SpanDecision:
             request_recompute=st.options is not None and st.options.recompute is not None))
         # a plan was made, then refused (a gate, the engine's limits, a stale donor): the
         # request falls back as that refusal (a plan is a tuple: not hashable)
-        refused_class = side.spans.refused_class if isinstance(planned, FallbackReason) else None
+        planned_now = refusal is None  # refused_class is the last plan's: this one's only now
+        refused_class = (side.spans.refused_class
+                         if planned_now and isinstance(planned, FallbackReason) else None)
         if not isinstance(planned, FallbackReason) and side.tensor_parallel > 1:
             refused_class = plan_class(planned[1].plan)
             side.spans.release(planned[1])
