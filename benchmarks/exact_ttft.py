@@ -96,13 +96,18 @@ SEMKV = {"provider": "chunks", "semantic_mode": "materialize_exact", "donor_stor
 CRITICAL = ("vllm:semkv_scheduler_seconds", "vllm:semkv_save_wait_seconds")
 
 
-def readme_config() -> dict[str, Any]:
-    """The README's ``kv_connector_extra_config`` (what an operator runs), donors kept."""
+def readme_extra_config() -> dict[str, Any]:
+    """The README's ``kv_connector_extra_config``: what an operator runs."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.test_readme_defaults import readme_extra_config
+    from tests.test_readme_defaults import readme_extra_config as read
 
+    return read()
+
+
+def readme_config() -> dict[str, Any]:
+    """The README's config, with room to keep every donor of the run."""
     return {**readme_extra_config(), "donor_store_bytes": SEMKV["donor_store_bytes"]}
 
 

@@ -49,7 +49,6 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "bench-namespace"
 SYSTEM_PROMPTS = 100
 SYSTEM_BLOCKS = 4
@@ -116,16 +115,9 @@ def lookup_bench(donors: int, donor_tokens: int, query_tokens: int, block_size: 
             **{k: _percentiles(v) for k, v in kinds.items()}}
 
 
-def readme_extra_config() -> dict[str, Any]:
-    sys.path.insert(0, str(ROOT))
-    from tests.test_readme_defaults import readme_extra_config as read
-
-    return read()
-
-
 def shared_bench(rounds: int, settle: float) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from exact_ttft import build  # the same engine arguments as the paired miss benchmark
+    from exact_ttft import build, readme_extra_config  # the paired miss benchmark's engines
 
     from semkv.assets import essays_dir
 
@@ -191,12 +183,13 @@ def miss_bench(pairs: int, tokens: int, settle: float) -> dict[str, Any]:
     semkv (``cold``: lookup and save off), in an order alternating per pair. The same engine
     for both: no engine-to-engine bias (their build order alone moved TTFT by 8 % here)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from exact_ttft import build, prompts_of_length
+    from exact_ttft import build, prompts_of_length, readme_extra_config
     from vllm import SamplingParams
 
     from semkv.request_options import request_params
 
-    llm = build({**readme_extra_config(), "request_options": True}, tokens + 256)
+    config = readme_extra_config()
+    llm = build({**config, "request_options": True}, tokens + 256)
     prompts = prompts_of_length(llm.get_tokenizer(), tokens, 2 * pairs + 1, "miss")
     cold = {"kv_transfer_params": request_params(lookup=False, save=False)}
 
@@ -219,7 +212,7 @@ def miss_bench(pairs: int, tokens: int, settle: float) -> dict[str, Any]:
                 row["miss_provenance"] = info.get("provenance")
         rows.append(row)
     med = statistics.median
-    return {"tokens": tokens, "pairs": rows, "config": readme_extra_config(),
+    return {"tokens": tokens, "pairs": rows, "config": config,
             "cold_s": med(r["cold"] for r in rows), "miss_s": med(r["miss"] for r in rows),
             "miss_over_cold_paired_median": med(r["miss"] / r["cold"] for r in rows),
             "misses": sum(1 for r in rows if r["miss_provenance"] == "fallback_recompute")}

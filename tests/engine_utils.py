@@ -173,6 +173,31 @@ def one_by_one(llm: Any, prompts: list[str], max_tokens: int = 16) -> list[Any]:
     return [greedy(llm, [p], max_tokens)[0] for p in prompts]
 
 
+def generate_ids(llm: Any, ids: list[int], max_tokens: int = 16,
+                 params: dict[str, Any] | None = None) -> Any:
+    """One greedy request of token ids; ``params``: its ``kv_transfer_params``."""
+    from vllm import SamplingParams
+
+    extra = None if params is None else {"kv_transfer_params": params}
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                        extra_args=extra)
+    return llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+
+
+def semkv_summary(out: Any) -> dict[str, Any]:
+    """The request's reuse summary (``kv_transfer_params["semkv"]``)."""
+    return dict((out.kv_transfer_params or {}).get("semkv", {}))
+
+
+def output_tokens(out: Any) -> list[int]:
+    return list(out.outputs[0].token_ids)
+
+
+def scheduler_side(llm: Any) -> Any:
+    """The connector's scheduler side of an in-process engine."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+
+
 def semkv_metrics(llm: Any) -> dict[str, float]:
     """The engine's ``vllm:semkv_*`` counters, summed over label values (tier, reason...)."""
     totals: dict[str, float] = {}

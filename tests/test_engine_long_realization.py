@@ -37,7 +37,14 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from semkv.config import SemkvConfig  # noqa: E402
-from tests.engine_utils import BLOCK, engine, essay_prompts, in_process, semkv_metrics  # noqa: E402
+from tests.engine_utils import (  # noqa: E402
+    BLOCK,
+    engine,
+    essay_prompts,
+    in_process,
+    scheduler_side,
+    semkv_metrics,
+)
 from tests.tiny_engine_model import GEOMETRY, tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -163,10 +170,6 @@ def run(llm: Any, prompt: str, max_tokens: int = 16, **options: Any) -> Any:
 
 def summary(out: Any) -> dict[str, Any]:
     return dict((out.kv_transfer_params or {}).get("semkv", {}))
-
-
-def scheduler_side(llm: Any) -> Any:
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
 
 
 BLEND_ALL = {"strategy": "blend", "fraction": 1.0}

