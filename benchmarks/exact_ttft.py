@@ -85,7 +85,9 @@ def build(extra: dict[str, Any] | None, max_len: int) -> Any:
                               max_model_len=max_len, enable_prefix_caching=True, enforce_eager=True,
                               disable_log_stats=False)  # semkv_seconds reads the metrics
     if extra is not None:
-        kw["kv_transfer_config"] = dict(CONNECTOR, kv_connector_extra_config=extra)
+        # the benchmark reads each request's summary: it is its own operator
+        kw["kv_transfer_config"] = dict(CONNECTOR, kv_connector_extra_config={
+            "summary_to_client": True, **extra})
         if extra.get("semantic_mode") == "materialize_semantic":  # request-only loads need it
             kw["scheduler_cls"] = COMMIT_POLICY
     return LLM(**kw)

@@ -206,7 +206,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         disable_log_stats=False, seed=0,
         kv_cache_memory_bytes=bundled_kv_cache_bytes(
             max_model_len=MAX_LEN, max_num_seqs=args.decodes + args.targets, block_size=BLOCK),
-        kv_transfer_config=dict(CONNECTOR, kv_connector_extra_config=EXTRA),
+        kv_transfer_config=dict(CONNECTOR, kv_connector_extra_config={
+            "summary_to_client": True, **EXTRA}),  # its own operator: reads summaries
         scheduler_cls="semkv_vllm.commit_policy.CommitPolicyScheduler")
     engine = AsyncLLM.from_engine_args(engine_args)
     try:

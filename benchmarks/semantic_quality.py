@@ -41,7 +41,8 @@ def build_engine(extra: dict[str, Any], max_len: int) -> Any:
                max_model_len=max_len, block_size=32, enable_prefix_caching=True,
                enforce_eager=True, seed=0,
                scheduler_cls="semkv_vllm.commit_policy.CommitPolicyScheduler",
-               kv_transfer_config=dict(CONNECTOR, kv_connector_extra_config=extra))
+               kv_transfer_config=dict(CONNECTOR, kv_connector_extra_config={
+                   "summary_to_client": True, **extra}))  # its own operator: reads summaries
 
 
 def run(llm: Any, text: str, max_tokens: int) -> tuple[list[int], dict[str, Any]]:

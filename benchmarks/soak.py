@@ -81,8 +81,9 @@ class Server:
                "--max-num-seqs", str(args.concurrency),
                "--enable-prefix-caching" if args.prefix_caching else "--no-enable-prefix-caching"]
         if extra is not None:
-            cmd += ["--kv-transfer-config", json.dumps(dict(CONNECTOR,
-                                                            kv_connector_extra_config=extra))]
+            # the soak reads each request's summary from its response: its own operator
+            cmd += ["--kv-transfer-config", json.dumps(dict(CONNECTOR, kv_connector_extra_config={
+                "summary_to_client": True, **extra}))]
         # the soak selects the fault injector on purpose (refused without this opt-in)
         env = dict(os.environ, HF_HUB_OFFLINE="1", SEMKV_LOG_LEVEL="INFO",
                    SEMKV_ALLOW_FAULT_INJECTION="1")

@@ -79,7 +79,9 @@ def main() -> None:
 
     console = Console(width=max(Console().width, 180))  # keep the table readable in CI logs
     extra: dict[str, Any] = {"provider": args.provider, "semantic_mode": args.mode,
-                             "min_reuse_tokens": 128}
+                             "min_reuse_tokens": 128,
+                             # the demo is its own operator: a server keeps this off
+                             "summary_to_client": True}
     config = {
         "kv_connector": "SemanticKVConnector", "kv_connector_module_path": "semkv_vllm.connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",

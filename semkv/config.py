@@ -103,6 +103,11 @@ class SemkvConfig(BaseSettings):
     request_options: bool = Field(default=False, description=(
         "Read a request's kv_transfer_params['semkv_options'] (semkv.request_options: lookup, "
         "save, recompute strategy, kv_floor); off: such options are ignored and counted."))
+    summary_to_client: bool = Field(default=False, description=(
+        "Return each request's reuse summary (provenance, tier, donor, span, token counts) to "
+        "its client in the response's kv_transfer_params['semkv']. Off: a response carries no "
+        "reuse field (a client could otherwise test whether another tenant sent a document); "
+        "the record stays in the metrics and the server's log."))
     block_aligned_only: bool = True
     lookup_timeout_ms: float = Field(default=50.0, gt=0.0, le=60_000.0)
     max_donors: int = Field(default=10_000, ge=1)

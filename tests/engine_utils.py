@@ -118,6 +118,9 @@ def _engine(extra_config: dict[str, Any] | None, **overrides: Any) -> Iterator[A
         disable_log_stats=False, seed=0,
     )
     if extra_config is not None:
+        # The tests read each request's summary from its output: they are their own operator
+        # (a config that names summary_to_client keeps its own value).
+        extra_config = {"summary_to_client": True, **extra_config}
         args["kv_transfer_config"] = dict(CONNECTOR, kv_connector_extra_config=extra_config)
     args.update(overrides)
     # NOTE: sized from the run, never a host fraction; three full-length requests resident

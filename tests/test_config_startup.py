@@ -38,6 +38,7 @@ INVALID: dict[str, st.SearchStrategy[Any]] = {
                                 st.just([1])),
     "block_aligned_only": _NOT_BOOL,
     "request_options": _NOT_BOOL,
+    "summary_to_client": _NOT_BOOL,
     "realize_spans": _NOT_BOOL,
     "recompute_strategy": st.one_of(
         st.text(max_size=10).filter(

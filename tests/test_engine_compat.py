@@ -15,7 +15,8 @@ from tests.engine_utils import CONNECTOR, engine, essay_prompts, greedy  # noqa:
 from tests.tiny_engine_model import tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.engine
-SEMKV = {"provider": "chunks", "semantic_mode": "materialize_exact", "min_reuse_tokens": 64}
+SEMKV = {"provider": "chunks", "semantic_mode": "materialize_exact", "min_reuse_tokens": 64,
+         "summary_to_client": True}
 
 
 def _semkv_hit_equals_vllm_hit(llm, prompt: str) -> dict:

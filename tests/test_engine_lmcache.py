@@ -264,7 +264,7 @@ def test_beside_lmcache_under_multiconnector(lmcache_url):
 
     semkv = {"provider": "chunks", "semantic_mode": "materialize_semantic",
              "semantic_tiers": ["verified"], "min_reuse_tokens": 64, "realize_spans": False,
-             "verified_min_reuse_tokens": 64}
+             "verified_min_reuse_tokens": 64, "summary_to_client": True}
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_model()))
     doc, other = essay_prompts(2, chars=1500, seed=41)
     document = tokenizer(doc)["input_ids"][:320]  # ten whole blocks

@@ -16,7 +16,9 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -53,15 +55,25 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(resp.read())
 
 
-def test_readme_serve_command_runs_verbatim(tmp_path):
+class Server(NamedTuple):
+    base: str
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def readme_server(tmp_path_factory) -> Iterator[Server]:
+    """The README's command, verbatim, once for this module (a start costs about a minute)."""
     block = readme_serve_block()
     assert "--kv-cache-memory-bytes" in block
     port = _port(block)
     with socket.socket() as s:
         if s.connect_ex(("127.0.0.1", port)) == 0:
             pytest.fail(f"port {port}, which the README's command uses, is taken on this host")
-    log = tmp_path / "serve.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    log = tmp_path_factory.mktemp("readme-serve") / "serve.log"
+    # VLLM_SERVER_DEV_MODE adds vLLM's /reset_prefix_cache (emptying vLLM's own cache between
+    # requests); it changes nothing the command itself starts.
+    # PYTHONUNBUFFERED: the log is read while the server runs.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
     env.pop("SEMKV_ALLOW_FAULT_INJECTION", None)  # as on an operator's machine
     with open(log, "w") as out:
         proc = subprocess.Popen(["bash", "-c", block], cwd=ROOT, stdout=out,
@@ -80,22 +92,7 @@ def test_readme_serve_command_runs_verbatim(tmp_path):
                 if time.time() > deadline:
                     pytest.fail("the README's server did not become healthy")
                 time.sleep(2)
-        model = json.loads(_get(base + "/v1/models"))["data"][0]["id"]
-        prompt = essay_prompts(1, chars=1200, seed=9)[0] + "\n\nQuestion: What is this about?"
-        body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
-        answer = _post(base + "/v1/completions", body)
-        assert answer["choices"][0]["text"].strip()
-        assert answer["usage"]["prompt_tokens"] > 128
-        text = ""
-        for _ in range(30):  # metrics are published on the engine's stats interval
-            text = _get(base + "/metrics")
-            if re.search(r"^vllm:semkv_lookup_requests_total\{[^}]*\} [1-9]", text, re.M):
-                break
-            time.sleep(1)
-        assert re.search(r"^vllm:semkv_lookup_requests_total\{[^}]*\} [1-9]", text, re.M)
-        assert prompt[:40] not in text  # no prompt text in metrics
-        assert "Explicitly set" in log.read_text()  # vLLM took the README's KV size
-        assert "gate_policy_loaded" in log.read_text()  # the shipped policy of the bundled model
+        yield Server(base, log)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -103,3 +100,86 @@ def test_readme_serve_command_runs_verbatim(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
+
+
+def _metrics_until(base: str, pattern: str) -> str:
+    text = ""
+    for _ in range(30):  # metrics are published on the engine's stats interval
+        text = _get(base + "/metrics")
+        if re.search(pattern, text, re.M):
+            break
+        time.sleep(1)
+    return text
+
+
+def test_readme_serve_command_runs_verbatim(readme_server):
+    base, log = readme_server
+    model = json.loads(_get(base + "/v1/models"))["data"][0]["id"]
+    prompt = essay_prompts(1, chars=1200, seed=9)[0] + "\n\nQuestion: What is this about?"
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    answer = _post(base + "/v1/completions", body)
+    assert answer["choices"][0]["text"].strip()
+    assert answer["usage"]["prompt_tokens"] > 128
+    text = _metrics_until(base, r"^vllm:semkv_lookup_requests_total\{[^}]*\} [1-9]")
+    assert re.search(r"^vllm:semkv_lookup_requests_total\{[^}]*\} [1-9]", text, re.M)
+    assert prompt[:40] not in text  # no prompt text in metrics
+    assert "Explicitly set" in log.read_text()  # vLLM took the README's KV size
+    assert "gate_policy_loaded" in log.read_text()  # the shipped policy of the bundled model
+
+
+def _shape(value: Any) -> Any:
+    """A JSON value with every leaf replaced by its type: what a client can tell apart."""
+    if isinstance(value, dict):
+        return {k: _shape(v) for k, v in sorted(value.items())}
+    if isinstance(value, list):
+        return [_shape(v) for v in value]
+    return type(value).__name__
+
+
+def _served(log: Path) -> list[dict[str, Any]]:
+    """The server's own record of each request (the ``provenance`` log line)."""
+    return [json.loads(line[line.index("{"):]) for line in log.read_text().splitlines()
+            if '"event": "provenance"' in line and "{" in line]
+
+
+def test_a_guessed_documents_response_has_the_shape_of_a_cold_ones(readme_server):
+    """One tenant's document is stored; another client sends a guess of it. semkv serves the
+    guess from the stored KV (the server's log and /metrics say so), and the guess's response,
+    raw bytes through the ``openai`` client, has exactly the shape of a never-seen document's:
+    no reuse, donor, span or token-count field (``summary_to_client`` is off by default)."""
+    import openai
+
+    base, log = readme_server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    tenant, other = essay_prompts(2, chars=4000, seed=71)
+    question = "\n\nQuestion: Who is this letter for?\nAnswer:"
+    client.completions.create(model=model, prompt=tenant, max_tokens=4, temperature=0)
+    assert _post(base + "/reset_prefix_cache", {})["success"]  # vLLM's own cache forgets it
+    before = len(_served(log))
+
+    def raw(prompt: str) -> tuple[bytes, dict[str, Any]]:
+        response = client.completions.with_raw_response.create(
+            model=model, prompt=prompt, max_tokens=4, temperature=0)
+        return response.http_response.content, json.loads(response.http_response.content)
+
+    guess_bytes, guess = raw(tenant + question)  # the guess: the tenant's document, verbatim
+    cold_bytes, cold = raw(other + question)  # a document no one sent before
+    records = _served(log)[before:]
+    assert len(records) == 2, records
+    assert records[0]["provenance"] == "exact_external_kv_hit"
+    assert records[0]["external_tokens"] >= 128  # the guess was served the tenant's KV
+    assert records[1]["external_tokens"] == 0  # the cold one was not
+    text = _metrics_until(base, r'^vllm:semkv_materialize_success_total\{[^}]*tier="exact"')
+    assert re.search(r'^vllm:semkv_materialize_success_total\{[^}]*tier="exact"[^}]*\} [1-9]',
+                     text, re.M)
+    assert _shape(guess) == _shape(cold)
+    assert guess.get("kv_transfer_params") is None and cold.get("kv_transfer_params") is None
+    for key in (b'"semkv"', b'"external_tokens"', b'"donor_id"', b'"provenance"'):
+        assert key not in guess_bytes and key not in cold_bytes  # (the model's path has semkv)
+    # vLLM's own cached-token count stays off (it would count semkv's tokens too)
+    assert not (guess["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    chat = client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": tenant}], max_tokens=4,
+        temperature=0)
+    assert json.loads(chat.http_response.content).get("kv_transfer_params") is None

@@ -67,7 +67,9 @@ def server(tmp_path_factory):
     port = _free_port()
     config = dict(CONNECTOR, kv_connector_extra_config={
         "provider": PROVIDER, "semantic_mode": "materialize_exact", "min_reuse_tokens": 64,
-        "provider_config": {"min_shared": 0.5}})
+        "provider_config": {"min_shared": 0.5},
+        # the operator returns each request's reuse summary to its clients (off by default)
+        "summary_to_client": True})
     log = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(ensure_model()), "--served-model-name", "smollm2",
@@ -106,10 +108,16 @@ def test_serve_answers_and_metrics_move(server):
     server = server.base
     prompt = essay_prompts(1, chars=1500, seed=5)[0] + "\n\nQuestion: What is this about?\nAnswer:"
     body = {"model": "smollm2", "prompt": prompt, "max_tokens": 8, "temperature": 0}
-    first = _post(server + "/v1/completions", body)["choices"][0]["text"]
+    first = _post(server + "/v1/completions", body)
     assert _post(server + "/reset_prefix_cache")["success"]
-    second = _post(server + "/v1/completions", body)["choices"][0]["text"]
-    assert second == first  # served from semkv's store, same greedy answer
+    second = _post(server + "/v1/completions", body)
+    # served from semkv's store, same greedy answer
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    # summary_to_client: the response carries the summary, in the shape the operator guide gives
+    summary = second["kv_transfer_params"]["semkv"]
+    assert summary["provenance"] == "exact_external_kv_hit" and summary["tier"] == "exact"
+    assert summary["external_tokens"] >= 64 and summary["donor_id"]
+    assert first["kv_transfer_params"]["semkv"]["external_tokens"] == 0
     text = ""
     for _ in range(30):  # metrics are published on the engine's stats interval
         text = urllib.request.urlopen(server + "/metrics", timeout=30).read().decode()

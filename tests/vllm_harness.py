@@ -60,7 +60,9 @@ def make_vllm_config(extra: dict[str, Any], *, num_batched: int = 4096,
                                      max_model_len=4096, max_num_seqs=1, block_size=BLOCK)),
         kv_transfer_config=KVTransferConfig(
             kv_connector="SemanticKVConnector", kv_connector_module_path="semkv_vllm.connector",
-            kv_role="kv_both", kv_load_failure_policy=policy, kv_connector_extra_config=extra),
+            kv_role="kv_both", kv_load_failure_policy=policy,
+            # the harness reads each request's summary: the tests are their own operator
+            kv_connector_extra_config={"summary_to_client": True, **extra}),
         device_config=DeviceConfig("cpu"),
     )
 

@@ -1,8 +1,8 @@
 """Counting decisions and outcomes: the stats and the per-request provenance summary.
 
 ``count_decision`` runs once per decision (``get_num_new_matched_tokens``); ``account`` once
-per request, in ``request_finished``. Its summary is logged as the ``provenance`` event and
-returned in ``kv_transfer_params["semkv"]``.
+per request, in ``request_finished``. Its summary is logged as the ``provenance`` event and,
+with ``summary_to_client``, returned to the client in ``kv_transfer_params["semkv"]``.
 
 NOTE: counts, tiers and ids only: never prompt text, token ids or embeddings.
 """

@@ -14,8 +14,8 @@ Protocol, per vLLM scheduler step:
 - ``build_connector_meta``: hand this step's loads to the workers, plus saves of every prompt
   block that becomes complete during this step (``DonorRegistry.capture``).
 - ``update_connector_output``: learn from the workers how many blocks really arrived.
-- ``request_finished``: provenance, stats, lease release; returns a summary in
-  ``kv_transfer_params["semkv"]``.
+- ``request_finished``: provenance, stats, lease release; logs the summary and returns it in
+  ``kv_transfer_params["semkv"]`` only with ``summary_to_client`` (the client's response).
 
 NOTE: a provider exception, timeout or malformed answer ends in (0, False): normal prefill.
 NOTE: in ``discovery_only`` nothing is saved or loaded; donors are registered by tokens only,
@@ -482,7 +482,9 @@ class SchedulerSide:
         self._release(st)
         if self.provider is not None:
             self.provider.forget(request.request_id)
-        return {"semkv": summary}
+        # NOTE: what reuse did is the operator's (metrics, the log line above): a client sees
+        # it only where the operator says so, or it would learn what other tenants sent.
+        return {"semkv": summary} if self.config.summary_to_client else None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def reset(self, *, provider: bool = True) -> None:

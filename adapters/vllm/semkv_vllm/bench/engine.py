@@ -82,7 +82,9 @@ def open_engine(arm: Arm, config: BenchConfig, *, max_num_seqs: int,
         dtype="float32", max_model_len=config.max_model_len, block_size=config.block_size,
         enable_prefix_caching=True, enforce_eager=True, disable_log_stats=False, seed=0,
         max_num_seqs=max_num_seqs,
-        kv_transfer_config=dict(CONNECTOR, kv_connector_extra_config=arm.extra))
+        # the bench reads each request's summary: it is its own operator
+        kv_transfer_config=dict(CONNECTOR, kv_connector_extra_config={
+            "summary_to_client": True, **arm.extra}))
     kwargs = {k: v for k, v in {**kwargs, **args}.items() if v is not None}
     if arm.commit_policy:
         kwargs["scheduler_cls"] = "semkv_vllm.commit_policy.CommitPolicyScheduler"
