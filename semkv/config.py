@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ByteSize, Field, ValidationError, field_validator
+from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -100,9 +100,16 @@ class SemkvConfig(BaseSettings):
     recompute_query_tokens: int = Field(default=64, ge=1, description=(
         "query: the prompt's last tokens whose attention over the assembled KV ranks the "
         "copied ones (the whole tail after the last copied token is run)."))
-    request_options: bool = Field(default=False, description=(
-        "Read a request's kv_transfer_params['semkv_options'] (semkv.request_options: lookup, "
-        "save, recompute strategy, kv_floor); off: such options are ignored and counted."))
+    request_options: bool = Field(default=True, description=(
+        "Read a request's kv_transfer_params['semkv_options'] (semkv.request_options): its "
+        "opt-outs (lookup, save, reuse_until: less reuse, always safe), and the overrides "
+        "request_overrides names; off: every option is ignored and counted."))
+    request_overrides: frozenset[Literal["recompute", "kv_floor", "text"]] = Field(
+        default=frozenset(), description=(
+            "Request options a client may send that could reuse more, recompute less or change "
+            "the KV (recompute, kv_floor, text); others are dropped and counted "
+            "(request_options_refused). A recompute override still never recomputes less than "
+            "the gate policy's strategy for the plan's class."))
     summary_to_client: bool = Field(default=False, description=(
         "Return each request's reuse summary (provenance, tier, donor, span, token counts) to "
         "its client in the response's kv_transfer_params['semkv']. Off: a response carries no "
@@ -153,6 +160,13 @@ class SemkvConfig(BaseSettings):
             raise ValueError(f"no such policy file {value!r} (auto, ungated, or a file "
                              "semkv calibrate wrote)")
         return value
+
+    @model_validator(mode="after")
+    def _overrides_need_options(self) -> SemkvConfig:
+        if self.request_overrides and not self.request_options:
+            raise ValueError("request_overrides: needs request_options (on by default), which "
+                             "is off")
+        return self
 
     @classmethod
     def settings_customise_sources(

@@ -25,6 +25,11 @@ FAMILIES: dict[str, tuple[str | None, str]] = {
                                       "missed, failed (timed out or raised)."),
     "lookup_rejected": ("reason", "Decisions that rejected every candidate, by reason."),
     "lookup_errors": ("kind", "Provider calls that raised, timed out or answered malformed."),
+    "request_options_refused": ("option", "Request options refused and dropped: an override "
+                                          "request_overrides does not name (recompute, "
+                                          "kv_floor, text), or a recompute override below the "
+                                          "gate policy's strategy for the plan's class "
+                                          "(recompute_weaker)."),
     "remote_donors": (None, "Candidates registered by another engine, found through a shared "
                             "discovery store (their tokens came with the lookup)."),
     "lookup_deferred": (None, "Scheduler steps a request waited for its asynchronous lookup."),

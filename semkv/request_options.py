@@ -1,23 +1,32 @@
 """Per-request options: what one request may ask of semkv through ``kv_transfer_params``.
 
 Protocol: a client sends ``{"kv_transfer_params": {"semkv_options": {...}}}`` (OpenAI server:
-``extra_body``; ``LLM``: ``SamplingParams(extra_args={"kv_transfer_params": ...})``). The
-connector reads them only when the operator set ``request_options: true``; otherwise they are
-ignored (and counted), so a client can never change how an engine reuses KV unless allowed.
+``extra_body``; ``LLM``: ``SamplingParams(extra_args={"kv_transfer_params": ...})``). Two kinds:
+
+Opt-outs (``OPT_OUTS``: always safe, they only mean less reuse) are read whenever the operator
+leaves ``request_options`` on (the default):
 
 - ``lookup: false``: no donor is looked up for this request (it prefills normally);
 - ``save: false``: its prompt never becomes a donor;
-- ``recompute``: the recompute strategy of this request's realized span (the ``recompute_*``
-  keys' values for this request only; unset fields keep the engine's);
 - ``reuse_until: n``: semkv places no KV at prompt positions ``>= n`` (the span or load ends
   at the last block boundary at or before it): scoring a continuation appended to a prompt
-  (``prompt_logprobs``) gets every continuation position computed by vLLM, with its logprobs;
+  (``prompt_logprobs``) gets every continuation position computed by vLLM, with its logprobs.
+
+Overrides (``OVERRIDES``: they could reuse more, recompute less or change the KV) are refused,
+dropped and counted, unless the operator names them in ``request_overrides``:
+
+- ``recompute``: the recompute strategy of this request's realized span (the ``recompute_*``
+  keys' values for this request only; unset fields keep the engine's). Where the gate policy
+  certifies the plan's class with a strategy, a request's strategy is used only if it
+  recomputes at least what the policy's does (``semkv.realize.selection.covers``);
 - ``kv_floor: "fp8_e4m3"`` (measurement): KV that semkv places for this request is rounded
   through fp8 e4m3 with one scale per layer for K and one for V (amax / 448), as an fp8 KV
   cache stores it. Loading a target's own stored KV this way gives the noise floor that
-  ``--kv-cache-dtype fp8`` deployments accept (``semkv bench --preset frontier``).
+  ``--kv-cache-dtype fp8`` deployments accept (``semkv bench --preset frontier``);
+- ``text``: the prompt's text for providers that embed text rather than token ids.
 
-Every option changes only the requesting request's own KV (reuse stays REQUEST_ONLY). Bad
+A request that sends an option changing its KV (``kv_floor``, ``recompute``; ``changes_kv``) is
+REQUEST_ONLY and never saved: nothing it computed becomes prefix-cache state or a donor. Bad
 options (unknown keys, wrong types) end in the exact tier only (the request's stored exact
 prefix, as any request is served; no lookup, no non-identical reuse), counted as
 ``lookup_errors{kind="request_options"}``: nothing fails because of them.
@@ -32,6 +41,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 OPTIONS_KEY = "semkv_options"
+OPT_OUTS = ("lookup", "save", "reuse_until")
+OVERRIDES = ("recompute", "kv_floor", "text")
+MAX_TEXT_CHARS = 1_000_000
 
 
 class RecomputeOverride(BaseModel):
@@ -53,6 +65,20 @@ class RequestOptions(BaseModel):
     recompute: RecomputeOverride | None = None
     reuse_until: int | None = Field(default=None, ge=1)
     kv_floor: Literal["fp8_e4m3"] | None = None
+    text: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+
+    def overrides(self) -> list[str]:
+        """The overrides this request sends (``OVERRIDES`` that are set)."""
+        return [name for name in OVERRIDES if getattr(self, name) is not None]
+
+    def without(self, names: list[str]) -> RequestOptions:
+        """These options with the overrides ``names`` dropped."""
+        return self.model_copy(update=dict.fromkeys(names)) if names else self
+
+    @property
+    def changes_kv(self) -> bool:
+        """Does an option change the KV this request gets (its reuse is then request-only)?"""
+        return self.kv_floor is not None or self.recompute is not None
 
 
 class BadRequestOptions(ValueError):

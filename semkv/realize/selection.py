@@ -89,6 +89,24 @@ class RecomputeStrategy:
         return self.probe_layers if self.kind.probes or self.kind.weighs else 0
 
 
+def covers(strategy: RecomputeStrategy, required: RecomputeStrategy) -> bool:
+    """Does ``strategy`` recompute at least what ``required`` does, on any plan? True for
+    ``required`` of kind none, for a ranking strategy at fraction 1.0 (every copied token), and
+    for the same kind whose every setting that kind reads is at least ``required``'s; False
+    otherwise (two different rankings are not comparable)."""
+    if required.kind is RecomputeKind.NONE:
+        return True
+    if strategy.kind.selects and strategy.fraction >= 1.0:
+        return True
+    if strategy.kind is not required.kind:
+        return False
+    kind = strategy.kind
+    return ((not kind.selects or strategy.fraction >= required.fraction)
+            and (not kind.forces_first_k or strategy.first_k >= required.first_k)
+            and (not (kind.probes or kind.weighs) or strategy.probe_layers >= required.probe_layers)
+            and (not kind.queries or strategy.query_tokens >= required.query_tokens))
+
+
 @dataclass
 class Recomputed:
     hidden: torch.Tensor | None  # [1, T, hidden]: the final pass's positions; None: nothing run

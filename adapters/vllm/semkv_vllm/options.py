@@ -1,10 +1,12 @@
 """Per-request options (``semkv.request_options``) on the engine: read once, applied where due.
 
-The scheduler reads a request's options when it registers it (``read_options``): allowed only
-with ``request_options: true``; otherwise present options are ignored and counted. Its recompute
-strategy (``strategy_for``: the engine's with the request's fields laid over) is built then, once,
-and the span admission plans with it; loads and realizations
-carry ``kv_floor`` to the worker, which rounds the KV it placed with ``round_blocks_fp8``.
+The scheduler reads a request's options when it registers it (``read_options``): with
+``request_options`` on (the default), its opt-outs, and the overrides ``request_overrides``
+names (others are dropped, counted ``request_options_refused{option}``); off, present options
+are ignored and counted. Its recompute strategy (``strategy_for``: the engine's with the
+request's fields laid over) is built then, once, and the span admission plans with it (never
+below the gate policy's strategy for the plan's class); loads and realizations carry
+``kv_floor`` to the worker, which rounds the KV it placed with ``round_blocks_fp8``.
 
 NOTE: an fp8 floor scale is per layer and per K / V over the request's placed blocks on one
 worker; with tensor parallelism each rank scales its own heads.
@@ -43,8 +45,17 @@ def read_options(request: Any, config: SemkvConfig, stats: CounterBag, base: Rec
         return None, base, False
     try:
         options = parse_options(params)
+    except ValueError:  # BadRequestOptions
+        stats.inc("lookup_errors", BAD)
+        return None, base, True
+    if options is not None:
+        refused = [o for o in options.overrides() if o not in config.request_overrides]
+        for name in refused:
+            stats.inc("request_options_refused", name)
+        options = options.without(refused)
+    try:
         return options, strategy_for(base, options), False
-    except ValueError:  # BadRequestOptions included
+    except ValueError:  # recompute fields that make no valid strategy over the engine's
         stats.inc("lookup_errors", BAD)
         return None, base, True
 

@@ -51,7 +51,7 @@ class RequestState:
     fetching: SemanticKVMatch | None = None  # its span's answer, while its donors are looked up
     fetch_key: tuple[int, int] | None = None  # (local prefix, preemptions) of that lookup
     fetch_started: float = 0.0  # time.monotonic() when that lookup was sent
-    options: RequestOptions | None = None  # its semkv_options (request_options: true)
+    options: RequestOptions | None = None  # its semkv_options (semkv_vllm.options.read_options)
     bad_options: bool = False  # it sent options that do not parse: exact tier only
     # its span's strategy (read_options: the engine's, or its options' over it)
     recompute: RecomputeStrategy = field(default_factory=RecomputeStrategy)
@@ -75,17 +75,21 @@ def supported(request: Any) -> bool:
     return request.prompt_embeds is None and not request.mm_features
 
 
+def changes_kv(st: RequestState) -> bool:
+    """Did the request send an option that changes its KV (request-only, never saved)?"""
+    return st.options is not None and st.options.changes_kv
+
+
 def may_save(st: RequestState) -> bool:
-    """May its prompt become a donor (not opted out, never request-only)?"""
+    """May its prompt become a donor (not opted out, its KV unchanged, never request-only)?"""
     opted_out = st.options is not None and not st.options.save
-    return supported(st.request) and not opted_out and not st.request_only
+    return supported(st.request) and not opted_out and not st.request_only and not changes_kv(st)
 
 
 def lookup_query(st: RequestState, local: int, max_candidates: int) -> LookupQuery:
-    """The provider's query: token ids, and text only where the client sent it."""
-    params = st.request.kv_transfer_params or {}
-    text = params.get("semkv_text") if isinstance(params, dict) else None
+    """The provider's query: token ids, and text only where the client sent it (the ``text``
+    override, allowed by the operator)."""
     return LookupQuery(request_id=st.request.request_id, namespace=st.namespace.digest,
                        token_ids=tuple(st.request.all_token_ids),
-                       text=text if isinstance(text, str) else None,
+                       text=st.options.text if st.options is not None else None,
                        local_prefix_tokens=local, max_candidates=max_candidates)

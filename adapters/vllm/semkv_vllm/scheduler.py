@@ -69,6 +69,7 @@ from semkv_vllm.options import cap_match
 from semkv_vllm.provenance import account, count_decision, export_guard_counters
 from semkv_vllm.request_state import (
     RequestState,
+    changes_kv,
     lookup_query,
     may_save,
     new_request_state,
@@ -232,6 +233,9 @@ class SchedulerSide:
                 rid, FallbackReason.UNSUPPORTED_REQUEST, local_prefix_tokens=local))
         if st.options is not None and not st.options.lookup:
             return SemanticKVMatch.fallback(rid, FallbackReason.PROVIDER_DISABLED)
+        if changes_kv(st) and not self.request_only_enforced():
+            # its KV (fp8-rounded, or another recompute) must never become prefix-cache state
+            return SemanticKVMatch.fallback(rid, FallbackReason.RECOMPUTE_POLICY)
         if not st.namespace.is_complete:
             return SemanticKVMatch.fallback(rid, FallbackReason.NAMESPACE_MISMATCH)
         if self.spans is not None and not self.workers_reported:
@@ -401,7 +405,7 @@ class SchedulerSide:
     def cache_policy(self, request_id: str) -> CachePolicy:
         """Side-effect free: may this request's blocks become exact prefix-cache state?"""
         st = self.requests.get(request_id)
-        if st is not None and st.request_only:
+        if st is not None and (st.request_only or changes_kv(st)):
             return CachePolicy.REQUEST_ONLY
         if st is not None and st.decision is not None and st.decision.is_hit:
             return st.decision.cache_policy

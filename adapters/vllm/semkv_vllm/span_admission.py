@@ -48,6 +48,7 @@ from semkv.realize.recompute import (
     RecomputeKind,
     RecomputeStrategy,
     cache_tokens,
+    covers,
     needed_positions,
 )
 from semkv.span_plan import SpanPlan, plan_span
@@ -203,7 +204,11 @@ class SpanAdmission:
             if isinstance(gated, FallbackReason):
                 self._refused("class", cls)
                 return gated
-            if not request_recompute:  # a request's own recompute option wins (measurement)
+            # a request's own recompute (an override the operator allowed) only where it
+            # recomputes at least what the policy certified this class with
+            if not request_recompute or not covers(recompute, gated):
+                if request_recompute and self.stats is not None:
+                    self.stats.inc("request_options_refused", "recompute_weaker")
                 recompute = gated
         # priced against the request's fallback: the exact prefix served when there is one
         exact_end = (None if exact is None

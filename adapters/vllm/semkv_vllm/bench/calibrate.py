@@ -12,9 +12,10 @@ The engine is the one the operator serves with: ``--model``, ``--dtype``, ``--kv
 ``--block-size``, ``--max-model-len``, ``--kv-cache-memory-bytes`` as ``vllm serve`` takes them,
 anything else ``LLM()`` accepts as ``engine_args``. It runs in this process, one request at a
 time, with semkv's connector in ``materialize_semantic`` (verified tier, realized spans, MinHash
-discovery at LSH threshold 0.1), ``request_options`` on, ``gate_policy: ungated`` (every plan
-class is realized, so every class is measured) and ``realize_min_gain`` 0 (the cost gate off:
-every plan is measured; the TTFT the policy reads is the one measured). The frontier runner
+discovery at LSH threshold 0.1), the recompute and kv_floor overrides allowed,
+``gate_policy: ungated`` (every plan class is realized, so every class is measured) and
+``realize_min_gain`` 0 (the cost gate off: every plan is measured; the TTFT the policy reads is
+the one measured). The frontier runner
 (``semkv_vllm.bench.frontier``, lean: only KL and TTFT, every arm but cold generating two
 tokens) measures, per target, cold, the fp8-KV floor and each strategy; ``semkv.calibrate``
 turns its rows into the policy, keyed by the identity the engine itself

@@ -99,7 +99,8 @@ def open_engine(arm: Arm, config: BenchConfig, *, max_num_seqs: int,
 
 
 def _params(max_tokens: int, options: dict[str, Any] | None = None, **kw: Any) -> Any:
-    """Greedy sampling params; ``options``: semkv request options (``request_options: true``)."""
+    """Greedy sampling params; ``options``: semkv request options (overrides need the
+    engine's ``request_overrides``)."""
     from vllm import SamplingParams
 
     from semkv.request_options import request_params

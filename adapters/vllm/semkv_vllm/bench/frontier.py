@@ -3,7 +3,8 @@
 Every arm is a request option (``semkv.request_options``), not an engine: per target the
 donors are stored once and every arm's request sees the same store, engine and cores, side by
 side. The engine runs ``materialize_semantic`` with the verified tier, realized spans, MinHash
-discovery (LSH threshold 0.1, as ``materialize_realized:minhash``) and ``request_options``.
+discovery (LSH threshold 0.1, as ``materialize_realized:minhash``) and the ``recompute`` and
+``kv_floor`` request overrides allowed (``request_overrides``).
 
 Per reuse target (the store emptied first; vLLM's prefix cache reset before every request, so
 all reuse is semkv's):
@@ -68,6 +69,7 @@ def engine_arm(config: BenchConfig, donors_per_target: int,
             block_size=config.block_size)
     extra = {"semantic_mode": "materialize_semantic", "provider": "minhash",
              "semantic_tiers": ["verified"], "realize_spans": True, "request_options": True,
+             "request_overrides": ["recompute", "kv_floor"],  # every arm is an override
              "provider_config": {"threshold": 0.1},
              "gate_policy": "ungated",  # every class measured: the frontier certifies them
              "realize_min_gain": 0.0,  # every plan measured; rows still carry predicted gains
