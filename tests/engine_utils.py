@@ -177,14 +177,18 @@ def one_by_one(llm: Any, prompts: list[str], max_tokens: int = 16) -> list[Any]:
 
 
 def generate_ids(llm: Any, ids: list[int], max_tokens: int = 16,
-                 params: dict[str, Any] | None = None) -> Any:
-    """One greedy request of token ids; ``params``: its ``kv_transfer_params``."""
+                 params: dict[str, Any] | None = None, cache_salt: str | None = None) -> Any:
+    """One greedy request of token ids; ``params``: its ``kv_transfer_params``; ``cache_salt``:
+    its tenant's salt (vLLM's own, which semkv's namespace includes)."""
     from vllm import SamplingParams
 
     extra = None if params is None else {"kv_transfer_params": params}
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                         extra_args=extra)
-    return llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+    prompt: dict[str, Any] = {"prompt_token_ids": ids}
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    return llm.generate([prompt], sp, use_tqdm=False)[0]
 
 
 def semkv_summary(out: Any) -> dict[str, Any]:

@@ -56,8 +56,8 @@ def provider_engine(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]
 
 
 def run(llm: Any, ids: list[int], max_tokens: int = 8,
-        params: dict[str, Any] | None = None) -> Any:
-    return generate_ids(llm, ids, max_tokens, params)
+        params: dict[str, Any] | None = None, salt: str | None = None) -> Any:
+    return generate_ids(llm, ids, max_tokens, params, cache_salt=salt)
 
 
 def text_ids(llm: Any, count: int, each: int, seed: int) -> list[list[int]]:
@@ -136,3 +136,22 @@ def test_a_2k_system_prompt_is_served_to_20_requests(provider_engine):
         ref = run(llm, system + document, params=OUT_OF_IT)
         assert ref.num_cached_tokens == SYSTEM_TOKENS
         assert output_tokens(ref) == outputs[k], (name, k)
+
+
+def test_a_salted_tenant_is_never_served_another_tenants_prompt(provider_engine):
+    """One ``cache_salt`` per tenant (docs/operator.md, "Tenants"): a document tenant a sent is
+    served to tenant a again, never to tenant b or to an unsalted request, whatever the
+    provider finds (the salt is in the first block key and in every donor's namespace)."""
+    name, llm = provider_engine
+    (document,) = text_ids(llm, 1, 8 * BLOCK, seed=400)
+    (question,) = text_ids(llm, 1, 40, seed=401)
+    llm.reset_prefix_cache(reset_connector=True)
+    run(llm, document, max_tokens=1, salt="tenant-a")
+    guess = document + question  # another client's guess: the document, verbatim
+    for salt in ("tenant-b", None):
+        llm.reset_prefix_cache()
+        s = semkv_summary(run(llm, guess, params=request_params(save=False), salt=salt))
+        assert s["external_tokens"] == 0 and s["donor_id"] is None, (name, salt, s)
+    llm.reset_prefix_cache()
+    s = semkv_summary(run(llm, guess, params=request_params(save=False), salt="tenant-a"))
+    assert s["tier"] == "exact" and s["external_tokens"] == 8 * BLOCK, (name, s)

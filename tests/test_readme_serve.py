@@ -173,6 +173,8 @@ def test_a_guessed_documents_response_has_the_shape_of_a_cold_ones(readme_server
     text = _metrics_until(base, r'^vllm:semkv_materialize_success_total\{[^}]*tier="exact"')
     assert re.search(r'^vllm:semkv_materialize_success_total\{[^}]*tier="exact"[^}]*\} [1-9]',
                      text, re.M)
+    print(f"guessed document's response: {guess_bytes.decode()}")  # shown with pytest -rA
+    print(f"never-seen document's response: {cold_bytes.decode()}")
     assert _shape(guess) == _shape(cold)
     assert guess.get("kv_transfer_params") is None and cold.get("kv_transfer_params") is None
     for key in (b'"semkv"', b'"external_tokens"', b'"donor_id"', b'"provenance"'):
@@ -183,3 +185,39 @@ def test_a_guessed_documents_response_has_the_shape_of_a_cold_ones(readme_server
         model=model, messages=[{"role": "user", "content": tenant}], max_tokens=4,
         temperature=0)
     assert json.loads(chat.http_response.content).get("kv_transfer_params") is None
+
+
+def operator_guide_block(heading: str) -> str:
+    """The first Python block under ``heading`` in docs/operator.md, as the guide shows it."""
+    text = (ROOT / "docs" / "operator.md").read_text()
+    section = text[text.index(heading):]
+    match = re.search(r"```\{\.python notest\}\n(.*?)```", section, re.S)
+    assert match, f"no python block under {heading!r} in docs/operator.md"
+    return match.group(1)
+
+
+def test_one_salt_per_tenant_as_the_operator_guide_shows(readme_server):
+    """docs/operator.md's tenant example, run as written against the README's server: tenant a's
+    document is served from semkv's store to tenant a again, never to tenant b."""
+    import openai
+
+    namespace: dict[str, Any] = {}
+    exec(operator_guide_block("## Tenants"), namespace)  # noqa: S102 - the guide's own code
+    complete_for = namespace["complete_for"]
+    base, log = readme_server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    document = essay_prompts(1, chars=4000, seed=73)[0]
+    guess = document + "\n\nQuestion: What is the first point?\nAnswer:"
+    ask = {"model": model, "max_tokens": 4, "temperature": 0}
+    complete_for(client, "tenant-a", prompt=document, **ask)
+    assert _post(base + "/reset_prefix_cache", {})["success"]
+    before = len(_served(log))
+    other = complete_for(client, "tenant-b", prompt=guess, **ask)
+    same = complete_for(client, "tenant-a", prompt=guess, **ask)
+    records = _served(log)[before:]
+    assert len(records) == 2, records
+    assert records[0]["external_tokens"] == 0 and records[0]["donor_id"] is None, records[0]
+    assert records[1]["provenance"] == "exact_external_kv_hit", records[1]
+    assert records[1]["external_tokens"] >= 128, records[1]
+    assert other.choices[0].text and same.choices[0].text

@@ -1,15 +1,19 @@
-"""Request options on the real vLLM CPU engine: opt-outs read by default, overrides only where
-the operator names them, and a request whose options change its KV is request-only and unsaved.
+"""What one client can make semkv do, and learn from it, on the real vLLM CPU engine: request
+options (opt-outs read by default, overrides only where the operator names them, a request whose
+options change its KV request-only and unsaved) and tenants (one ``cache_salt`` each).
 
 The tiny random-weight Llama of tests/tiny_engine_model.py (which KV serves a request is under
-test, not the model), one in-process engine with the commit-policy scheduler and
-``request_overrides: ["kv_floor"]`` only:
+test, not the model), one in-process engine with the commit-policy scheduler, realized spans
+ungated and ``request_overrides: ["kv_floor"]`` only:
 
 - exact tier: a request that loads a stored prefix rounded through fp8 (``kv_floor``) leaves
   nothing behind: a later request of the same prompt gets no block of it from vLLM's own prefix
   cache, and semkv's store still serves only the original donor's exact KV;
 - realized span: a client's ``recompute: {strategy: none}`` (not named by the operator) is
-  dropped and counted; the span is realized with the engine's strategy (``first_k``).
+  dropped and counted; the span is realized with the engine's strategy (``first_k``);
+- tenants: a target whose passages tenant a's donors hold is realized for tenant a only, never
+  for tenant b or an unsalted request. The exact tier's salt test, per built-in provider, is in
+  tests/test_engine_exact_prefix.py.
 """
 
 from __future__ import annotations
@@ -92,3 +96,32 @@ def test_a_recompute_override_the_operator_did_not_name_is_dropped_and_counted(l
     # the engine's first_k (16 per copied segment), not the client's none
     assert s["span"]["recomputed"] >= 16, s
     assert _delta(before, after, "vllm:semkv_request_options_refused:recompute") == 1
+
+
+def _salted(llm: Any, prompt: str, salt: str | None, max_tokens: int = 16,
+            **options: Any) -> Any:
+    from vllm import SamplingParams
+
+    from semkv.request_options import request_params
+
+    extra = {"kv_transfer_params": request_params(**options)} if options else None
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                        extra_args=extra)
+    item: dict[str, Any] = {"prompt": prompt}
+    if salt is not None:
+        item["cache_salt"] = salt
+    return llm.generate([item], sp, use_tqdm=False)[0]
+
+
+def test_a_span_is_realized_from_a_tenants_donors_for_that_tenant_only(llm):
+    donors, target = rag_cluster(llm, seed=311)
+    llm.reset_prefix_cache(reset_connector=True)
+    for donor in donors:
+        _salted(llm, donor, "tenant-a", max_tokens=1)
+    for salt in ("tenant-b", None):
+        llm.reset_prefix_cache()
+        s = summary(_salted(llm, target, salt, save=False))
+        assert s["external_tokens"] == 0 and s["span"] is None, (salt, s)
+    llm.reset_prefix_cache()
+    s = summary(_salted(llm, target, "tenant-a", save=False))
+    assert s["provenance"] == "request_only_semantic_reuse" and s["external_tokens"] > 0, s
