@@ -176,16 +176,18 @@ def one_by_one(llm: Any, prompts: list[str], max_tokens: int = 16) -> list[Any]:
     return [greedy(llm, [p], max_tokens)[0] for p in prompts]
 
 
-def generate_ids(llm: Any, ids: list[int], max_tokens: int = 16,
+def generate_ids(llm: Any, ids: list[int] | str, max_tokens: int = 16,
                  params: dict[str, Any] | None = None, cache_salt: str | None = None) -> Any:
-    """One greedy request of token ids; ``params``: its ``kv_transfer_params``; ``cache_salt``:
-    its tenant's salt (vLLM's own, which semkv's namespace includes)."""
+    """One greedy request of token ids (or of a text prompt); ``params``: its
+    ``kv_transfer_params``; ``cache_salt``: its tenant's salt (vLLM's own, which semkv's
+    namespace includes)."""
     from vllm import SamplingParams
 
     extra = None if params is None else {"kv_transfer_params": params}
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                         extra_args=extra)
-    prompt: dict[str, Any] = {"prompt_token_ids": ids}
+    prompt: dict[str, Any] = ({"prompt": ids} if isinstance(ids, str)
+                              else {"prompt_token_ids": ids})
     if cache_salt is not None:
         prompt["cache_salt"] = cache_salt
     return llm.generate([prompt], sp, use_tqdm=False)[0]

