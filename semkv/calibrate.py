@@ -21,8 +21,9 @@ at or below the floor's and a median TTFT speedup of at least ``min_gain`` (the 
 ``realize_min_gain`` default, 1.2), the cheapest is certified: the lowest recomputed share,
 then the fastest. None qualifies: the class is refused, its reason naming each strategy's
 figures; fewer than ``min_samples`` samples under every strategy: refused as
-``too few samples (n of min_samples)``. Every class of ``PlanClass`` is in the policy; one no
-target was planned in has 0 samples.
+``too few samples (n of min_samples)`` and why: the engine refused its plans (each reason
+counted), too few targets were planned in it, or none was. Every class of ``PlanClass`` is in
+the policy; one no target was planned in has 0 samples.
 
 NOTE: rows carry counts, times and scores only; so do the policy and its reasons.
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -118,21 +120,42 @@ def _why_not(m: Measurement, min_gain: float) -> str | None:
     return None
 
 
+def refusals(rows: list[dict[str, Any]]) -> dict[str, Counter[str]]:
+    """Per plan class: the strategy arms' plans the engine refused, by reason."""
+    out: dict[str, Counter[str]] = {}
+    for r in rows:
+        if r["arm"] in STRATEGIES and r.get("refused_class") and not r.get("negative"):
+            out.setdefault(str(r["refused_class"]), Counter())[str(r["refused_reason"])] += 1
+    return out
+
+
+def _why_few(measured: bool, refused: Counter[str] | None) -> str:
+    """Why a class has too few samples: the engine refused its plans, too few targets were
+    planned in it, or none was."""
+    if refused:
+        counts = ", ".join(f"{reason} {n}" for reason, n in refused.most_common())
+        return f": the engine refused {sum(refused.values())} plan(s) of this class ({counts})"
+    if measured:
+        return ": too few calibration targets were planned in this class"
+    return ": no calibration target was planned in this class"
+
+
 def decide(measurements: list[Measurement], *, min_samples: int = MIN_SAMPLES,
-           min_gain: float = MIN_GAIN) -> dict[PlanClass, ClassRule]:
-    """The rule of every plan class (see the module docstring for the decision)."""
+           min_gain: float = MIN_GAIN, refused: dict[str, Counter[str]] | None = None,
+           ) -> dict[PlanClass, ClassRule]:
+    """The rule of every plan class (see the module docstring for the decision);
+    ``refused`` (``refusals(rows)``) says why a class has too few samples."""
     rules: dict[PlanClass, ClassRule] = {}
     for cls in PlanClass:
         ms = [m for m in measurements if m.plan_class == cls.value]
         most = max((m.samples for m in ms), default=0)
         enough = [m for m in ms if m.samples >= min_samples]
         if not enough:
-            where = (" in this calibration" if ms else
-                     ": no calibration target was planned in this class")
+            why = _why_few(bool(ms), (refused or {}).get(cls.value))
             best = max(ms, key=lambda m: m.samples, default=None)
             rules[cls] = ClassRule(
                 served=False, measured=best.measured() if best else Measured(samples=0),
-                reason=f"too few samples ({most} of {min_samples}){where}")
+                reason=f"too few samples ({most} of {min_samples}){why}")
             continue
         passing = [m for m in enough if _why_not(m, min_gain) is None]
         if passing:
@@ -171,7 +194,7 @@ def build_policy(rows: list[dict[str, Any]], identity: ModelIdentity, *, source:
         min_samples=min_samples,
         created=created or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         source=source, classes=decide(measure(rows), min_samples=min_samples,
-                                      min_gain=min_gain))
+                                      min_gain=min_gain, refused=refusals(rows)))
 
 
 def policy_json(policy: GatePolicy) -> str:

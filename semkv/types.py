@@ -58,7 +58,8 @@ class Materialization(_StrEnum):
 
 
 class FallbackReason(_StrEnum):
-    """Why a request ended in normal prefill (DESIGN.md's sixteen; two gates of realized spans)."""
+    """Why a request ended in normal prefill (DESIGN.md's sixteen; two gates of realized
+    spans; the engine's KV-cache groups)."""
 
     EXACT_PREFIX_SUFFICIENT = "exact_prefix_sufficient"
     PROVIDER_DISABLED = "provider_disabled"
@@ -69,6 +70,7 @@ class FallbackReason(_StrEnum):
     LOW_REUSE_TOKENS = "low_reuse_tokens"
     NAMESPACE_MISMATCH = "namespace_mismatch"
     UNSUPPORTED_REQUEST = "unsupported_request"
+    UNSUPPORTED_KV_GROUPS = "unsupported_kv_groups"  # the engine's KV-cache groups (hybrid models)
     NOT_PREFIX_ANCHORED = "not_prefix_anchored"
     NOT_BLOCK_ALIGNED = "not_block_aligned"
     DONOR_STALE = "donor_stale"

@@ -79,7 +79,25 @@ def test_certified_refused_and_too_few_samples() -> None:
     none = policy.classes[PlanClass.GAP_DOMINATED]
     assert not none.served and none.measured is not None and none.measured.samples == 0
     assert none.reason.startswith("too few samples (0 of 8)")
+    assert none.reason.endswith("no calibration target was planned in this class")
+    assert few.reason.endswith("too few calibration targets were planned in this class")
     assert policy.min_samples == 8 and policy.model.digest == ME.digest
+
+
+def test_a_class_whose_plans_the_engine_refused_says_so() -> None:
+    refused = [{"target": f"m/{i}", "arm": arm, "negative": False, "served": False,
+                "plan_class": None, "refused_class": "multi_donor",
+                "refused_reason": "allocation_failed" if i < 3 else "unsupported_kv_groups",
+                "kl_mean": None, "speedup": None, "recomputed": 0, "prompt_tokens": 1000}
+               for i in range(5) for arm in (FK, BLEND)]
+    negative = dict(refused[0], negative=True, refused_class="gap_dominated")
+    policy = build_policy(refused + [negative], ME, source="test")
+    rule = policy.classes[PlanClass.MULTI_DONOR]
+    assert not rule.served
+    assert rule.reason == ("too few samples (0 of 8): the engine refused 10 plan(s) of this "
+                           "class (allocation_failed 6, unsupported_kv_groups 4)")
+    # a negative target's refusal is not a reuse target's: the class was never planned
+    assert policy.classes[PlanClass.GAP_DOMINATED].reason.endswith("was planned in this class")
 
 
 def test_min_samples_and_min_gain_are_the_callers() -> None:

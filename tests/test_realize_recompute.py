@@ -126,7 +126,7 @@ def test_probe_layers_are_checked_against_the_model_at_worker_start(monkeypatch)
     layout: object = object()  # only its presence matters before the check
     ok = SpanRealizer.build(object(), layout, {}, {},  # type: ignore[arg-type]
                             SemkvConfig.load({"recompute_probe_layers": 1}))
-    assert ok is not None
+    assert isinstance(ok, SpanRealizer)
     with pytest.raises(ConfigError, match="recompute_probe_layers"):
         SpanRealizer.build(object(), layout, {}, {},  # type: ignore[arg-type]
                            SemkvConfig.load({"recompute_probe_layers": 2}))

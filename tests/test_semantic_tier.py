@@ -18,6 +18,7 @@ from semkv_vllm.commit_policy import CommitPolicyScheduler, ExternalKVCachePolic
 from semkv_vllm.rope import RopeShift  # noqa: E402
 
 from semkv.config import ConfigError  # noqa: E402
+from tests.test_faults import counters, harness  # noqa: E402
 from tests.test_vllm_scheduler import doc  # noqa: E402
 from tests.vllm_harness import BLOCK, HEAD_SIZE, make_harness, make_vllm_config, token_value  # noqa: E402
 
@@ -177,37 +178,82 @@ def test_exact_tier_still_wins_under_materialize_semantic(h):
     h.assert_no_leaks()
 
 
-def test_engine_limits_name_what_is_unsupported():
+def test_engine_support_names_what_each_engine_cannot_take():
     import copy
 
-    from semkv_vllm.engine_setup import engine_limit
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from semkv_vllm.engine_setup import engine_support
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    from semkv.config import SemkvConfig
 
     config = make_vllm_config({})
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=HEAD_SIZE,
                              dtype=torch.float32)
-    one = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(["a"], spec)])
-    two = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(["a"], spec),
-                                         KVCacheGroupSpec(["b"], spec)])
-    assert engine_limit(config, one) is None
-    assert "KV-cache groups" in (engine_limit(config, two) or "")
+    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=HEAD_SIZE,
+                               dtype=torch.float32, sliding_window=64)
+
+    def kv(*specs: object) -> KVCacheConfig:
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)])
+
+    whole = engine_support(config, kv(spec))
+    assert (whole.exact, whole.non_exact, whole.realize) == (None, None, None)
+    realizing = SemkvConfig.load(SEMANTIC | {"realize_spans": True})
+    assert whole.log_fields(realizing) == {"exact_tier": "yes", "realized_spans": "yes"}
+    assert whole.log_fields(SemkvConfig.load({}))["realized_spans"] == "off"
+
+    hybrid = engine_support(config, kv(spec, window, window))
+    assert hybrid.exact is not None and hybrid.realize is not None
+    assert hybrid.exact.reason == "unsupported_kv_groups"
+    assert hybrid.realize.counter == "kv_groups"
+    assert "3 KV-cache group(s) (1 FullAttention, 2 SlidingWindow 64)" in hybrid.exact.why
+    said = hybrid.log_fields(realizing)
+    assert (said["exact_tier"], said["realized_spans"]) == ("no", "no")
+    assert "KV-cache group" in said["why"] and said["refused_as"] == "unsupported_kv_groups"
+    # a model whose every layer is windowed: one group, but out-of-window blocks are vLLM's
+    # null block, which semkv must never write
+    windowed = engine_support(config, kv(window)).exact
+    assert windowed is not None and "SlidingWindow 64" in windowed.why
+
     speculative = copy.copy(config)
     object.__setattr__(speculative, "speculative_config", object())
-    assert engine_limit(speculative, one) == "speculative decoding"
+    limit = engine_support(speculative, kv(spec)).exact
+    assert limit is not None and (limit.reason, limit.why) == (
+        "unsupported_request", "speculative decoding")
+
+    parallel = copy.deepcopy(config)
+    parallel.parallel_config.tensor_parallel_size = 2
+    tp = engine_support(parallel, kv(spec))
+    assert tp.exact is None and tp.non_exact is None
+    assert tp.realize is not None and tp.realize.counter == "tensor_parallel"
+    assert tp.log_fields(realizing) == {"exact_tier": "yes", "realized_spans": "no",
+                                        "why": tp.realize.why, "refused_as": "unsupported_request"}
+    assert tp.log_fields(SemkvConfig.load({})) == {"exact_tier": "yes", "realized_spans": "off"}
 
 
-def test_unsupported_engine_serves_and_stores_nothing(h):
+def test_an_engine_whose_kv_groups_semkv_cannot_address_serves_and_stores_nothing():
+    from semkv_vllm.engine_setup import EngineSupport, Limit
+
+    from semkv.types import FallbackReason
+
+    h = harness(SEMANTIC, scheduler_cls=CommitPolicyScheduler)
     tokens = doc(18, 300)
-    h.side.engine_supported = False
+    limit = Limit(FallbackReason.UNSUPPORTED_KV_GROUPS, "kv_groups", "2 KV-cache group(s)")
+    h.side.support = EngineSupport(exact=limit, non_exact=limit, realize=limit)
     h.add("donor", tokens)
     h.run()
     assert not h.side.donors  # nothing registered
     assert h.scheduler.reset_prefix_cache(reset_connector=False)
     h.add("t", tokens)
     h.run()
-    assert h.outputs["t"]["semkv"]["fallback_reason"] == "unsupported_request"
+    assert h.outputs["t"]["semkv"]["fallback_reason"] == "unsupported_kv_groups"
+    got = counters(h)
+    assert got.get("lookup_rejected:unsupported_kv_groups") == 2, got  # each request, counted
     h.assert_no_leaks()
 
 

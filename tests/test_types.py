@@ -46,7 +46,8 @@ VALUES = [
 
 
 def test_vocabulary_sizes_match_design():
-    assert len(FallbackReason) == 18  # DESIGN.md's sixteen and the two span gates (#24)
+    # DESIGN.md's sixteen, the two span gates (#24), the engine's KV-cache groups (#48)
+    assert len(FallbackReason) == 19
     assert {m.value for m in Mode} == {
         "disabled", "discovery_only", "materialize_exact", "materialize_semantic"
     }

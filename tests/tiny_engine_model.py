@@ -14,6 +14,14 @@ same tokens in two cached chunks), the greedy margins (top-1 minus top-2 logit) 
 position of four essay prompts, and whether the argmax moves when a prompt's first half is
 replaced. ``tiny_model_dir`` refuses a model whose 1st-percentile margin is not 100x its noise
 or whose output ignores the far context.
+
+``tiny_model_dir("gemma3")`` is a tiny Gemma 3 text model (``Gemma3TextConfig``): 12 layers in
+Gemma 3's own pattern, five of a 64-token sliding window to one of full attention (at 6 layers,
+one full layer let the far context move the argmax on 1 prompt of 4: the check refused it);
+vLLM's hybrid KV cache keeps six KV-cache groups for it, as for Gemma 3 270M.
+``tiny_model_dir("gemma3-windowed")`` windows every layer: one group, whose blocks out of the
+window are vLLM's null block; its far context is out of reach by design, so only the margin
+check applies to it. Both use the bundled tokenizer and the same initializer scale.
 """
 
 from __future__ import annotations
@@ -31,12 +39,23 @@ from typing import Any
 GEOMETRY = {"num_hidden_layers": 4, "hidden_size": 192, "intermediate_size": 384,
             "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 32,
             "initializer_range": 0.1}
+WINDOW = 64  # the Gemma 3 models' sliding window: a test prompt crosses it many times
+_GEMMA3 = {"num_hidden_layers": 12, "hidden_size": 192, "intermediate_size": 384,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+           "sliding_window": WINDOW, "initializer_range": 0.1, "max_position_embeddings": 8192}
+# family -> (the transformers config class, or None: the bundled model's own; its settings)
+FAMILIES: dict[str, tuple[str | None, dict[str, Any]]] = {
+    "llama": (None, GEOMETRY),
+    "gemma3": ("Gemma3TextConfig", _GEMMA3),
+    "gemma3-windowed": ("Gemma3TextConfig",
+                        {**_GEMMA3, "layer_types": ["sliding_attention"] * 12}),
+}
 SEED = 0
 NOISE_TO_MARGIN = 100  # the 1st-percentile margin must be this many times the float noise
 _DONE = "checks.json"
 
 
-def tiny_model_dir() -> Path:
+def tiny_model_dir(family: str = "llama") -> Path:
     """The tiny model's folder (built and checked on first use; later calls only read)."""
     import torch
     import transformers
@@ -45,33 +64,47 @@ def tiny_model_dir() -> Path:
     from semkv.bundled_model import ensure_model
 
     key = hashlib.sha256(json.dumps(
-        [GEOMETRY, SEED, torch.__version__, transformers.__version__, str(ensure_model().name)],
-        sort_keys=True).encode()).hexdigest()[:12]
-    target = cache_dir() / "models" / f"tiny-llama-{key}"
+        [FAMILIES[family][1], SEED, torch.__version__, transformers.__version__,
+         str(ensure_model().name)], sort_keys=True).encode()).hexdigest()[:12]
+    target = cache_dir() / "models" / f"tiny-{family}-{key}"
     if not (target / _DONE).exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target.parent / f".{target.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per machine; others wait, then reuse
             if not (target / _DONE).exists():
-                _build(ensure_model(), target)
-    _check(json.loads((target / _DONE).read_text()))
+                _build(ensure_model(), target, family)
+    _check(json.loads((target / _DONE).read_text()), family)
     return target
 
 
-def _check(checks: dict[str, Any]) -> None:
+def _check(checks: dict[str, Any], family: str) -> None:
     if checks["margin_p1"] < NOISE_TO_MARGIN * checks["noise"]:
         raise RuntimeError(f"tiny model: greedy margins too close to float noise: {checks}")
-    if checks["far_context_moves_argmax"] < checks["prompts"] // 2:
+    layer_types = FAMILIES[family][1].get("layer_types")
+    far_reach = layer_types is None or "full_attention" in layer_types
+    if far_reach and checks["far_context_moves_argmax"] < checks["prompts"] // 2:
         raise RuntimeError(f"tiny model: the next token ignores the prompt's first half: {checks}")
 
 
-def _build(bundled: Path, target: Path) -> None:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def _config(bundled: Path, family: str) -> Any:
+    import transformers
 
-    config = AutoConfig.from_pretrained(str(bundled))  # vocabulary, rotary base, special ids
-    for name, value in GEOMETRY.items():
-        setattr(config, name, value)
+    own = transformers.AutoConfig.from_pretrained(str(bundled))  # vocabulary, special ids
+    kind, settings = FAMILIES[family]
+    if kind is None:  # the bundled Llama's config (its rotary base too), resized
+        for name, value in settings.items():
+            setattr(own, name, value)
+        return own
+    return getattr(transformers, kind)(
+        vocab_size=own.vocab_size, bos_token_id=own.bos_token_id,
+        eos_token_id=own.eos_token_id, pad_token_id=own.pad_token_id, **settings)
+
+
+def _build(bundled: Path, target: Path, family: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = _config(bundled, family)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
@@ -80,7 +113,7 @@ def _build(bundled: Path, target: Path) -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         tokenizer = AutoTokenizer.from_pretrained(str(bundled))
         checks = _measure(model, tokenizer)
-        _check(checks)
+        _check(checks, family)
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
         (tmp / _DONE).write_text(json.dumps(checks, indent=1) + "\n")

@@ -79,6 +79,9 @@ def row(target: str, wl: Workload, arm: str, run: Run, cold: Run,
         "span_segments": (run.summary.get("span") or {}).get("segments"),
         # the plan's shape (semkv.plan_class), as the engine labelled it; None: no span
         "plan_class": (run.summary.get("span") or {}).get("class"),
+        # a plan the engine made and refused (a gate, its memory bound, its own limits)
+        "refused_class": (run.summary.get("span_refused") or {}).get("class"),
+        "refused_reason": (run.summary.get("span_refused") or {}).get("reason"),
         "recomputed": int(run.delta.get(f"{SPAN}:recomputed")),
         "ttft_s": run.ttft_s, "cold_ttft_s": cold.ttft_s,
         "speedup": cold.ttft_s / run.ttft_s if run.ttft_s > 0 else None,

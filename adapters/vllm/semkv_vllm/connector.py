@@ -49,12 +49,14 @@ from semkv_vllm.class_gate import ClassGate
 from semkv_vllm.commit_policy import ExternalKVCachePolicy
 from semkv_vllm.cost_gate import EngineCost
 from semkv_vllm.engine_setup import (
+    EngineSupport,
     build_provider,
     build_shared_store,
     check_semantic_setup,
     check_store_fits_host,
-    engine_limit,
+    engine_support,
     probe_layout,
+    realizes_spans,
     store_geometry,
 )
 from semkv_vllm.metadata import SemkvMetadata, SemkvWorkerMetadata
@@ -102,25 +104,26 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self.commit_policy_enforced = False  # set by CommitPolicyScheduler
+        self.support: EngineSupport | None = None  # scheduler role: what its requests can get
         if role == KVConnectorRole.SCHEDULER:
             block_size = vllm_config.cache_config.block_size
-            limit = engine_limit(vllm_config, kv_cache_config)
-            if limit is not None:  # every request falls back as unsupported_request, counted
-                log.warning("semkv_engine_unsupported", why=limit)
+            self.support = engine_support(vllm_config, kv_cache_config)
+            said = self.support.log_fields(self.config)
+            # one line: what this engine's requests get (each refusal is counted per request)
+            (log.info if "why" not in said else log.warning)("semkv_engine_support", **said)
             provider = (None if self.config.semantic_mode is Mode.DISABLED
                         else build_provider(self.config, vllm_config, block_size))
             self._scheduler = SchedulerSide(
                 self.config, block_size=block_size,
                 namespace=namespace_from_vllm_config(vllm_config), num_slots=slots,
                 bytes_per_slot=per_slot,
-                engine_supported=limit is None, provider=provider,
+                support=self.support, provider=provider,
                 can_shift=rope is not None,
                 request_only_enforced=lambda: (
                     self.commit_policy_enforced
                     or not vllm_config.cache_config.enable_prefix_caching),
                 shared_lookup=self._shared_lookup if self._shared is not None else None,
                 fetch_lookups=self._fetch_lookups(),
-                tensor_parallel=vllm_config.parallel_config.tensor_parallel_size,
                 realize_budget=(realize_budget(self.config, vllm_config)
                                 if semantic and self.config.realize_spans else None),
                 class_gate=(ClassGate.for_engine(self.config, vllm_config)
@@ -128,9 +131,6 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
                                 semantic or self.config.semantic_mode is Mode.DISCOVERY_ONLY)
                             else None),
                 cost_gate=EngineCost.from_vllm_config(vllm_config))
-            if semantic and self.config.realize_spans and self._scheduler.tensor_parallel > 1:
-                log.warning("realized_spans_refused", why="tensor_parallel_size > 1",
-                            counted_as="vllm:semkv_realize_refused_total{reason=tensor_parallel}")
             log.info("semkv_connector_ready", mode=str(self.config.semantic_mode),
                      provider=self.config.provider, slots=slots, bytes_per_slot=per_slot)
         else:
@@ -139,6 +139,25 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
                                       async_save=self.config.async_save,
                                       transfer_timeout_s=self.config.transfer_timeout_s)
         self._semantic = semantic
+
+    def realized_spans_refusal(self) -> str | None:
+        """Why this engine's requests get no realized span (None: they can). The workers' part
+        is known once they have reported with their first step (``semkv calibrate`` asks after
+        its warm-up request and fails on an answer, before measuring anything)."""
+        side, support = self._scheduler, self.support
+        assert side is not None and support is not None, "scheduler role only"
+        if support.realize is not None:
+            return support.realize.why
+        if not (realizes_spans(self.config) and side.spans is not None):
+            return ("realized spans are off in this configuration (realize_spans, "
+                    "semantic_mode materialize_semantic, semantic_tiers with verified)")
+        if side.layout_known is False:
+            return "the attention backend's page layout is unknown"
+        if side.can_realize is False:
+            return side.realize_why or "the workers cannot realize spans"
+        if not side.can_shift:
+            return "the model's positions cannot be moved (no rotary shift)"
+        return None
 
     def _fetch_lookups(self) -> Any:
         if not self._fetches:
@@ -179,9 +198,11 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
 
                 # NOTE: vLLM calls this hook from its model runner's initialize_kv_cache: the
                 # engine's loaded model is one frame up (semkv_vllm.models explains why).
-                self._worker.realizer = SpanRealizer.build(
+                built = SpanRealizer.build(
                     find_engine_model(), self._worker.layout, kv_caches, self._worker.store,
                     self.config)
+                self._worker.realizer = built if isinstance(built, SpanRealizer) else None
+                self._worker.realize_why = built if isinstance(built, str) else None
                 self._worker.report_realize = True
                 log.info("span_realization", available=self._worker.realizer is not None)
 

@@ -146,6 +146,8 @@ class SemkvWorkerMetadata(KVConnectorWorkerMetadata):
     # (with the start-up calibration's in the first report). Counts and seconds only.
     forwards: list[tuple[StepWork, float]] = field(default_factory=list)
     realizations: list[tuple[RealizeWork, float]] = field(default_factory=list)
+    # With ``can_realize`` False: why (the model's family, the page layout); for the operator.
+    realize_why: str | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, SemkvWorkerMetadata)
@@ -162,7 +164,8 @@ class SemkvWorkerMetadata(KVConnectorWorkerMetadata):
                                    _all(self.layout_known, other.layout_known),
                                    _all(self.can_realize, other.can_realize), recomputed,
                                    _slowest(self.forwards, other.forwards),
-                                   _slowest(self.realizations, other.realizations))
+                                   _slowest(self.realizations, other.realizations),
+                                   self.realize_why or other.realize_why)
 
 
 def _slowest(a: list[tuple[W, float]], b: list[tuple[W, float]]) -> list[tuple[W, float]]:

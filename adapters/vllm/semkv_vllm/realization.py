@@ -4,11 +4,12 @@ Protocol (driven by ``WorkerSide``):
 
 - ``SpanRealizer.build(model, layout, kv_caches, store)`` once, in ``register_kv_caches``: the
   layer runner for the engine's model (``semkv_vllm.models``), the page layout probed from the
-  engine's cache-write kernel, and which paged cache belongs to which decoder layer. None, with
-  the reason logged, when the model or the layout is not supported: the scheduler is told and
-  answers such requests ``unsupported_request``. With ``config``, ``recompute_probe_layers`` is
-  checked against the model's layers there, and ``realize_memory_bytes`` against the device's
-  free memory when the model runs on an accelerator (``ConfigError`` naming the key).
+  engine's cache-write kernel, and which paged cache belongs to which decoder layer. The reason
+  instead (logged), when the model or the layout is not supported: the scheduler is told it with
+  the worker's first step and answers such requests ``unsupported_request``. With ``config``,
+  ``recompute_probe_layers`` is checked against the model's layers there, and
+  ``realize_memory_bytes`` against the device's free memory when the model runs on an
+  accelerator (``ConfigError`` naming the key).
 - ``submit(op)`` in ``start_load_kv``: the op becomes a job. Its working set
   (``semkv.realize.memory``, the same estimate the scheduler refused over-bound plans with) is
   checked against ``realize_memory_bytes`` before anything is allocated; over it the job fails
@@ -145,19 +146,18 @@ class SpanRealizer:
     @classmethod
     def build(cls, model: Any, layout: PageLayout | None, kv_caches: dict[str, torch.Tensor],
               store: dict[str, torch.Tensor], config: SemkvConfig | None = None,
-              ) -> SpanRealizer | None:
+              ) -> SpanRealizer | str:
+        """The engine's realizer, or why it has none (logged; reported to the scheduler)."""
         from semkv_vllm.models import UnsupportedModelError, runner_for
 
         if model is None or layout is None:
-            log.warning("realization_unavailable",
-                        why="engine model not found" if model is None else "page layout unknown")
-            return None
+            return _unavailable("engine model not found" if model is None
+                                else "page layout unknown")
         try:
             runner = runner_for(model)
             runner.rotator  # noqa: B018 - refuse non-linear rotary angles now, not per request
         except UnsupportedModelError as exc:
-            log.warning("realization_unavailable", why=str(exc))
-            return None
+            return _unavailable(str(exc))
         if config is not None:
             check_probe_layers(config, runner.num_layers)  # start-up, not per request
             check_realize_memory_fits_device(config, runner.device)
@@ -165,8 +165,7 @@ class SpanRealizer:
         for layer in runner.model.model.layers:
             name = getattr(layer.self_attn.attn, "layer_name", None)
             if name not in kv_caches:
-                log.warning("realization_unavailable", why="a decoder layer has no paged cache")
-                return None
+                return _unavailable("a decoder layer has no paged cache")
             names.append(name)
         return cls(runner, layout, names, kv_caches, store,
                    None if config is None else int(config.realize_memory_bytes))
@@ -379,3 +378,8 @@ def _fault_after(name: str) -> int | None:
     if value is None or not fault_injection_allowed():
         return None
     return int(value)
+
+
+def _unavailable(why: str) -> str:
+    log.warning("realization_unavailable", why=why)
+    return why

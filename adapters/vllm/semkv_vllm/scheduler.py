@@ -60,6 +60,7 @@ from semkv.types import (
     SemanticKVMatch,
 )
 from semkv_vllm.donor_registry import Donor, DonorRegistry
+from semkv_vllm.engine_setup import EngineSupport
 from semkv_vllm.finish_order import FinishOrder
 from semkv_vllm.foreign_donors import ForeignDonors
 from semkv_vllm.lmcache_fetch import FetchLookups, SpanFetches
@@ -86,28 +87,25 @@ MAX_CANDIDATES = 5
 
 class SchedulerSide:
     def __init__(self, config: SemkvConfig, *, block_size: int, namespace: Namespace,
-                 num_slots: int, bytes_per_slot: int, engine_supported: bool,
+                 num_slots: int, bytes_per_slot: int, support: EngineSupport,
                  provider: GuardedProvider | None, can_shift: bool = False,
                  request_only_enforced: Callable[[], bool] = lambda: False,
                  shared_lookup: Callable[[Any, int], int | None] | None = None,
-                 fetch_lookups: FetchLookups | None = None, tensor_parallel: int = 1,
+                 fetch_lookups: FetchLookups | None = None,
                  realize_budget: Budget | None = None, class_gate: ClassGate | None = None,
                  cost_gate: CostGate | None = None) -> None:
         self.config = config
         self.bs = block_size
         self.namespace = namespace
         self.bytes_per_slot = bytes_per_slot
-        self.engine_supported = engine_supported
+        self.support = support  # what this engine's requests can take (engine_setup.py)
         self.provider = provider
         self.can_shift = can_shift  # positions of this model's keys can be moved (RoPE)
-        # NOTE: realized spans are refused under tensor parallelism: each rank would realize
-        # its own heads, and one rank's failure, stale slot or deadline would leave the other
-        # ranks' all-reduces unpaired (hang or wrong sums).
-        self.tensor_parallel = tensor_parallel
         self.finish_order = FinishOrder()
         # What the workers reported with their first step (None: no report yet)
         self.layout_known: bool | None = None  # every worker has a known page layout
         self.can_realize: bool | None = None  # every worker can realize spans
+        self.realize_why: str | None = None  # why not, when a worker cannot
         self.request_only_enforced = request_only_enforced
         # Shared donor store: (request, local prefix) -> tokens it can load beyond the local
         # prefix, None while its lookup runs. Such stores load between steps.
@@ -172,13 +170,13 @@ class SchedulerSide:
         return st
 
     def _may_save(self, st: RequestState) -> bool:
-        return self.engine_supported and may_save(st)
+        return self.support.exact is None and may_save(st)
 
     def on_new_request(self, request: Any) -> None:
         st = self._state(request)
         wanted = st.options is None or st.options.lookup
         if (self.provider is not None and self.config.async_lookup and wanted
-                and supported(request)):
+                and self.support.exact is None and supported(request)):
             st.lookup_started = self.provider.submit(lookup_query(st, 0, MAX_CANDIDATES))
             st.lookup_refused = not st.lookup_started  # decided as a timeout, exact prefix kept
 
@@ -226,7 +224,9 @@ class SchedulerSide:
                            synchronous=not self.async_load) == 0:
             return SemanticKVMatch.fallback(rid, FallbackReason.EXACT_PREFIX_SUFFICIENT,
                                             local_prefix_tokens=local)
-        if not (self.engine_supported and supported(st.request)):
+        if self.support.exact is not None:  # counted per request, by the engine's reason
+            return SemanticKVMatch.fallback(rid, self.support.exact.reason)
+        if not supported(st.request):
             return SemanticKVMatch.fallback(rid, FallbackReason.UNSUPPORTED_REQUEST)
         if st.bad_options:  # the exact tier needs no option: served as to any request
             return self._keep_exact(st, local, SemanticKVMatch.fallback(

@@ -13,7 +13,8 @@ NOTE: with realization on, one donor's KV is never laid over differing target to
 non-exact single-donor match that no plan beats falls back.
 NOTE: a plan the gate policy does not serve (``uncertified_class``), the cost gate prices under
 ``realize_min_gain`` (``low_predicted_gain``), the engine's own limits refuse
-(``realize_memory_bytes``: ``allocation_failed``; tensor parallelism: ``unsupported_request``)
+(``realize_memory_bytes``: ``allocation_failed``; ``EngineSupport.realize``: tensor parallelism
+``unsupported_request``, KV-cache groups ``unsupported_kv_groups``)
 or that finds a donor gone (``donor_stale``) is reported as that refusal with the plan's class
 (``RequestState.refused_span``), counted in ``realize_refused``, not as the admission's reason
 for the single-donor match. An exact match the plan would have beaten is served instead.
@@ -56,12 +57,13 @@ class SpanDecision:
         planned_now = refusal is None  # refused_class is the last plan's: this one's only now
         refused_class = (side.spans.refused_class
                          if planned_now and isinstance(planned, FallbackReason) else None)
-        if not isinstance(planned, FallbackReason) and side.tensor_parallel > 1:
+        limit = side.support.realize  # the engine's own (tensor parallelism, KV-cache groups)
+        if not isinstance(planned, FallbackReason) and limit is not None:
             refused_class = plan_class(planned[1].plan)
             side.spans.release(planned[1])
-            side.stats.inc("realize_refused", "tensor_parallel")
+            side.stats.inc("realize_refused", limit.counter)
             side.stats.inc("span_refused", refused_class.value)
-            planned = FallbackReason.UNSUPPORTED_REQUEST
+            planned = limit.reason
         engine_refused = refused_class is not None
         if isinstance(planned, FallbackReason) and engine_refused:
             st.refused_span = (refused_class, planned)
@@ -110,9 +112,14 @@ class SpanDecision:
         side = self.side
         if not side.request_only_enforced():
             return FallbackReason.RECOMPUTE_POLICY  # loaded KV could become exact cache state
-        if realize:  # shifted copies also need RoPE re-rotation: refused per plan by the worker
+        if realize:
+            if side.support.realize is not None:
+                return None  # planned, then refused as the engine's limit, with its class
+            # shifted copies also need RoPE re-rotation: refused per plan by the worker
             ok = bool(side.layout_known and side.can_realize and side.can_shift)
             return None if ok else FallbackReason.UNSUPPORTED_REQUEST
+        if side.support.non_exact is not None:
+            return side.support.non_exact.reason  # the engine's KV cache cannot take it
         span = assessment.span if assessment is not None else None
         if span is None or not side.layout_known or (span.shifted and not side.can_shift):
             return FallbackReason.UNSUPPORTED_REQUEST  # pages or positions cannot be edited

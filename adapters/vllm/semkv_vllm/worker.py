@@ -95,6 +95,7 @@ class WorkerSide:
         self._realizer: SpanRealizer | None = None
         self.shape: tuple[int, int] | None = None  # the realizer's (layers, block size)
         self.report_realize = False  # set when span realization is configured
+        self.realize_why: str | None = None  # why this worker has no realizer (reported once)
         self.fetcher: Any = None  # lmcache_fetch.HostFetcher (donor_store: lmcache)
         self.spans = SpanJobs(self, transfer_timeout_s)  # realized spans, op to report
 
@@ -339,7 +340,8 @@ class WorkerSide:
                 layout is None and realize is None):
             return None
         meta = SemkvWorkerMetadata(dict(self._loaded), set(self._failed), layout, realize,
-                                   dict(self._recomputed), forwards, realizations)
+                                   dict(self._recomputed), forwards, realizations,
+                                   realize_why=self.realize_why if realize is False else None)
         self._loaded, self._failed, self._failed_counted = {}, set(), set()
         self._recomputed = {}
         return meta

@@ -29,6 +29,7 @@ def apply_worker_meta(side: SchedulerSide, worker_meta: Any) -> None:
         side.layout_known = worker_meta.layout_known
     if worker_meta.can_realize is not None:
         side.can_realize = worker_meta.can_realize
+        side.realize_why = worker_meta.realize_why
     if isinstance(side.cost_gate, EngineCost) and (worker_meta.forwards
                                                    or worker_meta.realizations):
         side.cost_gate.observe(worker_meta)

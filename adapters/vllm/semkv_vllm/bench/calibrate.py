@@ -200,7 +200,7 @@ def calibrate(opts: Options, *, command: str = "semkv calibrate") -> dict[str, A
     started = time.time()
     opts.validate()
     prompts = _read_prompts(opts)
-    from semkv_vllm.bench.engine import configure_process
+    from semkv_vllm.bench.engine import configure_process, engine_connector
 
     configure_process(opts.cores or f"0-{max(1, os.cpu_count() or 1) - 1}")
     from semkv.bundled_model import ensure_model
@@ -242,6 +242,10 @@ def calibrate(opts: Options, *, command: str = "semkv calibrate") -> dict[str, A
         if identity is None:
             raise CalibrateError(f"--model {model!r}: the engine's model folder cannot be read "
                                  "for its identity, so no policy could apply to it")
+        why = engine_connector(llm).realized_spans_refusal()  # short: the engine's own words
+        if why is not None:  # every plan would be refused: nothing to measure, say why now
+            raise CalibrateError(f"--model {model!r}: this engine cannot realize spans: {why}; "
+                                 "a policy calibrated on it would serve nothing")
         found.append(identity)
 
     raw = run_frontier(config, wl, show_progress=opts.show_progress, engine_args=engine_args,

@@ -43,6 +43,15 @@ def configure_process(cores: str) -> None:
     logging.getLogger("semkv").setLevel(os.environ["SEMKV_LOG_LEVEL"])
 
 
+def engine_connector(llm: Any) -> Any:
+    """The scheduler's semkv connector of an in-process engine (``configure_process``)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise RuntimeError("the engine runs in another process: VLLM_ENABLE_V1_MULTIPROCESSING "
+                           "must be 0 before vLLM is imported (configure_process)")
+    return core.scheduler.connector
+
+
 def snapshot(llm: Any) -> Snapshot:
     values: dict[str, float] = {}
     for metric in llm.get_metrics():

@@ -176,7 +176,8 @@ def run_frontier(config: BenchConfig, wl: Workload, *, show_progress: bool = Tru
     """Every target of ``wl`` through every arm of ``config`` on one engine.
 
     ``engine_args`` and ``overrides`` go to ``open_engine`` and ``engine_arm``; ``on_open`` is
-    called with the engine before the first request (``semkv calibrate`` reads its identity);
+    called with the engine after its warm-up request, before the first measured one
+    (``semkv calibrate`` reads its identity and whether it can realize spans);
     ``lean``: see ``FrontierRun`` (``request_only_violations`` is then None: not checked).
     """
     reuse = [t for t in wl.targets if not wl.negative[t]]
@@ -185,9 +186,9 @@ def run_frontier(config: BenchConfig, wl: Workload, *, show_progress: bool = Tru
     started = time.perf_counter()
     with open_engine(arm, config, max_num_seqs=1, engine_args=engine_args) as llm, \
             progress_bar(planned_requests(config, wl, config.arms), show_progress) as tick:
-        if on_open is not None:
-            on_open(llm)
         generate(llm, list(range(100, 164)), 2)  # the first forward of an engine is slow
+        if on_open is not None:  # after that step the workers have reported what they can do
+            on_open(llm)
         run = FrontierRun(llm, config, wl, config.arms, tick, lean=lean)
         negatives = [t for t in wl.targets if wl.negative[t]]
         for t in reuse:
