@@ -201,39 +201,51 @@ def test_engine_support_names_what_each_engine_cannot_take():
         return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
             KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)])
 
-    whole = engine_support(config, kv(spec))
+    plain = SemkvConfig.load({})
+    whole = engine_support(plain, config, kv(spec))
     assert (whole.exact, whole.non_exact, whole.realize) == (None, None, None)
     realizing = SemkvConfig.load(SEMANTIC | {"realize_spans": True})
     assert whole.log_fields(realizing) == {"exact_tier": "yes", "realized_spans": "yes"}
-    assert whole.log_fields(SemkvConfig.load({}))["realized_spans"] == "off"
+    assert whole.log_fields(plain)["realized_spans"] == "off"
 
-    hybrid = engine_support(config, kv(spec, window, window))
-    assert hybrid.exact is not None and hybrid.realize is not None
-    assert hybrid.exact.reason == "unsupported_kv_groups"
+    # window and full attention (vLLM's hybrid manager): the exact tier per group; KV edits and
+    # realized spans refused per request
+    hybrid = engine_support(plain, config, kv(spec, window, window))
+    assert hybrid.exact is None and hybrid.groups == 3
+    assert hybrid.non_exact is not None and hybrid.realize is not None
+    assert hybrid.realize.reason == "unsupported_kv_groups"
     assert hybrid.realize.counter == "kv_groups"
-    assert "3 KV-cache group(s) (1 FullAttention, 2 SlidingWindow 64)" in hybrid.exact.why
+    assert "3 KV-cache group(s) (1 FullAttention, 2 SlidingWindow 64)" in hybrid.realize.why
     said = hybrid.log_fields(realizing)
-    assert (said["exact_tier"], said["realized_spans"]) == ("no", "no")
+    assert (said["exact_tier"], said["realized_spans"]) == ("yes", "no")
     assert "KV-cache group" in said["why"] and said["refused_as"] == "unsupported_kv_groups"
-    # a model whose every layer is windowed: one group, but out-of-window blocks are vLLM's
-    # null block, which semkv must never write
-    windowed = engine_support(config, kv(window)).exact
-    assert windowed is not None and "SlidingWindow 64" in windowed.why
+    assert hybrid.log_fields(plain) == {"exact_tier": "yes", "realized_spans": "off"}
+    # every layer windowed: one group whose out-of-window blocks are vLLM's null block
+    windowed = engine_support(plain, config, kv(window))
+    assert windowed.exact is None and windowed.non_exact is not None
+    assert "SlidingWindow 64" in windowed.non_exact.why
+    # what no copy addresses: other block sizes (or Mamba); LMCache's connector takes one group
+    other = SlidingWindowSpec(block_size=2 * BLOCK, num_kv_heads=1, head_size=HEAD_SIZE,
+                              dtype=torch.float32, sliding_window=64)
+    assert engine_support(plain, config, kv(spec, other)).exact is not None
+    lmcache = SemkvConfig.model_construct(**{**plain.__dict__, "donor_store": "lmcache"})
+    refused = engine_support(lmcache, config, kv(spec, window)).exact
+    assert refused is not None and refused.reason == "unsupported_kv_groups"
 
     speculative = copy.copy(config)
     object.__setattr__(speculative, "speculative_config", object())
-    limit = engine_support(speculative, kv(spec)).exact
+    limit = engine_support(plain, speculative, kv(spec)).exact
     assert limit is not None and (limit.reason, limit.why) == (
         "unsupported_request", "speculative decoding")
 
     parallel = copy.deepcopy(config)
     parallel.parallel_config.tensor_parallel_size = 2
-    tp = engine_support(parallel, kv(spec))
+    tp = engine_support(plain, parallel, kv(spec))
     assert tp.exact is None and tp.non_exact is None
     assert tp.realize is not None and tp.realize.counter == "tensor_parallel"
     assert tp.log_fields(realizing) == {"exact_tier": "yes", "realized_spans": "no",
                                         "why": tp.realize.why, "refused_as": "unsupported_request"}
-    assert tp.log_fields(SemkvConfig.load({})) == {"exact_tier": "yes", "realized_spans": "off"}
+    assert tp.log_fields(plain) == {"exact_tier": "yes", "realized_spans": "off"}
 
 
 def test_an_engine_whose_kv_groups_semkv_cannot_address_serves_and_stores_nothing():

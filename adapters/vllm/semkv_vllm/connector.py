@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -55,6 +56,7 @@ from semkv_vllm.engine_setup import (
     check_semantic_setup,
     check_store_fits_host,
     engine_support,
+    kv_groups,
     probe_layout,
     realizes_spans,
     store_geometry,
@@ -107,7 +109,7 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
         self.support: EngineSupport | None = None  # scheduler role: what its requests can get
         if role == KVConnectorRole.SCHEDULER:
             block_size = vllm_config.cache_config.block_size
-            self.support = engine_support(vllm_config, kv_cache_config)
+            self.support = engine_support(self.config, vllm_config, kv_cache_config)
             said = self.support.log_fields(self.config)
             # one line: what this engine's requests get (each refusal is counted per request)
             (log.info if "why" not in said else log.warning)("semkv_engine_support", **said)
@@ -137,7 +139,8 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
             check_store_fits_host(self.config)
             self._worker = WorkerSide(slots, layerwise=self.config.layerwise_load, rope=rope,
                                       async_save=self.config.async_save,
-                                      transfer_timeout_s=self.config.transfer_timeout_s)
+                                      transfer_timeout_s=self.config.transfer_timeout_s,
+                                      groups=kv_groups(kv_cache_config))
         self._semantic = semantic
 
     def realized_spans_refusal(self) -> str | None:
@@ -257,6 +260,14 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
             recving |= shared_recving or set()
         return sending or None, recving or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``'s, plus the loads that failed on an engine with several KV-cache
+        groups (reported per request: vLLM then recomputes the request from its start)."""
+        results = super().get_transfer_results(finished_req_ids)
+        if self._worker is not None:
+            results.failed_recving |= self._worker.take_failed_recving()
+        return results
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is None:
             return set()
@@ -312,6 +323,10 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
         super().bind_kv_cache_manager(kv_cache_manager)
         if self._scheduler is not None:
             self._scheduler.kv_cache_manager = kv_cache_manager
+            pool = getattr(kv_cache_manager, "block_pool", None)
+            null = getattr(getattr(pool, "null_block", None), "block_id", None)
+            if isinstance(null, int):
+                self._scheduler.null_block = null
 
     def on_new_request(self, request: Request) -> None:
         if self._scheduler is not None:

@@ -94,7 +94,7 @@ class DonorRegistry:
         return self.index.get(key) is not None
 
     def capture(self, st: RequestState, computed_after: int, meta: SemkvMetadata,
-                kv_cache_manager: Any) -> None:
+                kv_cache_manager: Any, null_block: int = 0) -> None:
         """Save the prompt blocks complete after this step; register the donor when all are."""
         request = st.request
         prompt = request.num_prompt_tokens
@@ -113,17 +113,26 @@ class DonorRegistry:
             if total_blocks > self.index.num_slots:
                 st.may_save = False  # a donor larger than the whole store could never serve
                 return
-            op = self._plan_save(st, done, kv_cache_manager.get_block_ids(request.request_id)[0])
+            op = self._plan_save(st, done, kv_cache_manager.get_block_ids(request.request_id),
+                                 null_block)
             if op.slots:
                 meta.saves.append(op)
         st.saved_blocks = done
         if done == total_blocks and st.may_save:
             self.register(st)
 
-    def _plan_save(self, st: RequestState, done: int, block_ids: list[int]) -> SaveOp:
+    def _plan_save(self, st: RequestState, done: int, block_ids: tuple[list[int], ...],
+                   null_block: int) -> SaveOp:
+        """``block_ids``: the request's blocks of each KV-cache group."""
         assert st.keys is not None
-        op = SaveOp([], [], [])
+        op = SaveOp([], [], [], [[] for _ in block_ids] if len(block_ids) > 1 else None)
         for i in range(st.saved_blocks, done):
+            ids = [group[i] for group in block_ids]
+            if null_block in ids and self.index.get(st.keys[i]) is None:
+                # a window group no longer holds this block (out of the window of a local
+                # prefix hit): the block cannot be stored whole, nor any after it be reached
+                st.may_save = False
+                break
             got = self.index.reserve(st.keys[i])
             if got is None:
                 if self.index.get(st.keys[i]) is None:  # every slot pinned: stop here
@@ -133,7 +142,9 @@ class DonorRegistry:
             self.index.pin([got[0]])
             op.slots.append(got[0])
             op.generations.append(got[1])
-            op.block_ids.append(block_ids[i])
+            op.block_ids.append(ids[0])
+            for group, block in zip(op.groups or (), ids, strict=False):
+                group.append(block)
         self.index.unpin(op.slots)
         return op
 

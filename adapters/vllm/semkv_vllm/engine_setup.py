@@ -150,6 +150,7 @@ class EngineSupport:
     ``exact``: any donor KV at all (every request prefills normally, nothing is stored);
     ``non_exact``: KV laid over other tokens or positions (token-level edits, shifted or
     realized spans); ``realize``: realized spans (each plan refused, its exact prefix kept).
+    ``groups``: the engine's KV-cache groups (several: per-group copies, loads asynchronous).
     NOTE: read once at start-up from the engine's configuration; the workers' own limits (page
     layout, the model's family) come with their first step (``SchedulerSide.can_realize``).
     """
@@ -157,6 +158,7 @@ class EngineSupport:
     exact: Limit | None = None
     non_exact: Limit | None = None
     realize: Limit | None = None
+    groups: int = 1
 
     def log_fields(self, config: SemkvConfig) -> dict[str, str]:
         """The start-up line: what this engine gets, and why not."""
@@ -169,21 +171,36 @@ class EngineSupport:
                          if why is not None else {})
 
 
-def _kv_groups_limit(kv_cache_config: KVCacheConfig) -> Limit | None:
-    """One group of full-attention layers is what semkv's loads and saves address; several
-    groups (window and full attention mixed, Mamba) or a windowed group (its out-of-window
-    blocks are vLLM's null block) are refused by name."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+def kv_groups(kv_cache_config: KVCacheConfig) -> list[list[str]]:
+    """The layer names of each KV-cache group (a group's layers share its block ids)."""
+    return [list(group.layer_names) for group in kv_cache_config.kv_cache_groups]
 
-    groups = kv_cache_config.kv_cache_groups
-    specs = [group.kv_cache_spec for group in groups]
+
+def _kv_groups_limits(kv_cache_config: KVCacheConfig, block_size: int,
+                      config: SemkvConfig) -> tuple[Limit | None, Limit | None]:
+    """(exact, non-exact) limits of the engine's KV-cache groups.
+
+    One group of full-attention layers: none. Full-attention and sliding-window groups of the
+    engine's block size (vLLM's hybrid manager: Gemma 3, gpt-oss; or every layer windowed): the
+    exact tier copies each group's own blocks (a window group's out-of-window blocks are vLLM's
+    null block, never read or written); edits of KV and realized spans address one group only.
+    Anything else (Mamba, chunked local attention, other block sizes): nothing.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
     if len(specs) == 1 and type(specs[0]) in (FullAttentionSpec, MLAAttentionSpec):
-        return None
+        return None, None
     kinds = Counter(_spec_kind(spec) for spec in specs)
     listed = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
     # NOTE: short (a log line redacts longer strings as payload); the reason says the rest
-    return Limit(FallbackReason.UNSUPPORTED_KV_GROUPS, "kv_groups",
-                 f"{len(specs)} KV-cache group(s) ({listed})")
+    limit = Limit(FallbackReason.UNSUPPORTED_KV_GROUPS, "kv_groups",
+                  f"{len(specs)} KV-cache group(s) ({listed})")
+    copyable = all(type(spec) in (FullAttentionSpec, SlidingWindowSpec)
+                   and spec.block_size == block_size for spec in specs)
+    if not copyable or config.donor_store == "lmcache":  # LMCache's connector: one group
+        return limit, limit
+    return None, limit
 
 
 def _spec_kind(spec: Any) -> str:
@@ -192,23 +209,26 @@ def _spec_kind(spec: Any) -> str:
     return f"{name} {window}" if window else name
 
 
-def engine_support(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineSupport:
+def engine_support(config: SemkvConfig, vllm_config: VllmConfig,
+                   kv_cache_config: KVCacheConfig) -> EngineSupport:
     """What this engine's requests can take from semkv, read from its configuration."""
     whole = None
     if vllm_config.speculative_config is not None:
         whole = "speculative decoding"
     elif vllm_config.model_config.is_encoder_decoder:
         whole = "encoder-decoder model"
-    exact = (Limit(FallbackReason.UNSUPPORTED_REQUEST, "engine", whole) if whole is not None
-             else _kv_groups_limit(kv_cache_config))
+    exact, non_exact = ((Limit(FallbackReason.UNSUPPORTED_REQUEST, "engine", whole),) * 2
+                        if whole is not None else _kv_groups_limits(
+                            kv_cache_config, vllm_config.cache_config.block_size, config))
     tp = vllm_config.parallel_config.tensor_parallel_size
     # NOTE: realized spans are refused under tensor parallelism: each rank would realize its
     # own heads, and one rank's failure, stale slot or deadline would leave the other ranks'
     # all-reduces unpaired (hang or wrong sums).
-    realize = exact or (Limit(FallbackReason.UNSUPPORTED_REQUEST, "tensor_parallel",
-                              f"tensor_parallel_size={tp}: realized spans run on one rank")
-                        if tp > 1 else None)
-    return EngineSupport(exact=exact, non_exact=exact, realize=realize)
+    realize = non_exact or (Limit(FallbackReason.UNSUPPORTED_REQUEST, "tensor_parallel",
+                                  f"tensor_parallel_size={tp}: realized spans run on one rank")
+                            if tp > 1 else None)
+    return EngineSupport(exact=exact, non_exact=non_exact, realize=realize,
+                         groups=len(kv_cache_config.kv_cache_groups))
 
 
 def check_semantic_setup(config: SemkvConfig, vllm_config: VllmConfig) -> None:

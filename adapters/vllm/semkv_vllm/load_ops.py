@@ -1,7 +1,8 @@
 """From an admitted decision to the worker's op, on the blocks vLLM allocated for it.
 
 - A realized span (``RequestState.span``): its ``SpanHold`` writes the ``RealizeOp``.
-- Exact tier: store slot i into the block after the local prefix plus i.
+- Exact tier: store slot i into the block after the local prefix plus i (of every KV-cache
+  group; a window group's null blocks are left alone).
 - One donor over differing tokens (verified/semantic token swap): the assessment's segments,
   donor blocks from the first one the span reads.
 - ``pin_slots``: a single-donor load's store slots, pinned at decision time (before any token
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from semkv.types import QualityTier, SemanticKVMatch
-from semkv_vllm.metadata import LoadOp, RealizeOp
+from semkv_vllm.metadata import LoadOp, RealizeOp, block_groups
 from semkv_vllm.request_state import RequestState
 from semkv_vllm.store_index import StoreIndex
 
@@ -47,15 +48,18 @@ def realize_op(st: RequestState, block_ids: Sequence[int]) -> RealizeOp:
     return op
 
 
-def load_op(st: RequestState, block_ids: Sequence[int], block_size: int, *,
-            asynchronous: bool) -> LoadOp:
+def load_op(st: RequestState, block_ids: tuple[list[int], ...], block_size: int, *,
+            asynchronous: bool, null_block: int) -> LoadOp:
+    """``block_ids``: the request's blocks of each KV-cache group (vLLM's ``get_block_ids``)."""
     d = st.decision
     assert d is not None
     first = d.local_prefix_tokens // block_size
-    targets = list(block_ids[first : first + d.external_prefix_tokens // block_size])
+    targets, groups = block_groups(block_ids, first, d.external_prefix_tokens // block_size,
+                                   null_block)
     op = LoadOp(st.request.request_id, list(st.pinned), list(st.generations), targets,
                 asynchronous=asynchronous,
-                kv_floor=st.options.kv_floor if st.options is not None else None)
+                kv_floor=st.options.kv_floor if st.options is not None else None,
+                groups=groups)
     span = st.assessment.span if st.assessment is not None else None
     if d.quality_tier is not QualityTier.EXACT and span is not None:
         op.segments = list(span.segments)

@@ -22,6 +22,16 @@ from semkv.cost import RealizeWork, StepWork
 from semkv.realize.recompute import RecomputeStrategy
 
 W = TypeVar("W", StepWork, RealizeWork)
+NO_BLOCK = -1  # a window group holds no block at this position (vLLM's null block)
+
+
+def block_groups(ids_per_group: tuple[list[int], ...] | list[list[int]], first: int,
+                 count: int, null_block: int) -> tuple[list[int], list[list[int]] | None]:
+    """Blocks ``[first, first + count)`` of a request, as an op carries them: the first
+    group's, and every group's where there are several; vLLM's null block as ``NO_BLOCK``."""
+    groups = [[NO_BLOCK if b == null_block else b for b in ids[first : first + count]]
+              for ids in ids_per_group]
+    return groups[0], (groups if len(groups) > 1 else None)
 
 
 @dataclass
@@ -32,6 +42,10 @@ class LoadOp:
     semantic tiers: ``slots`` hold donor blocks ``donor_first_block`` onwards, and ``segments``
     ``(target position, donor position, length)`` say which donor token serves each target
     position from ``target_start`` on; keys are re-rotated where the two positions differ.
+    Several KV-cache groups (exact tier only): ``groups`` holds each group's blocks, aligned
+    with ``slots`` (``block_ids`` is the first group's); a group's layers get its own blocks.
+    NOTE: ``NO_BLOCK`` marks a position whose block a window group does not hold (vLLM's null
+    block there): that block is neither read nor written.
     """
 
     request_id: str
@@ -43,6 +57,7 @@ class LoadOp:
     donor_first_block: int = 0
     target_start: int = 0
     kv_floor: str | None = None  # request option: round the loaded KV (semkv_vllm.options)
+    groups: list[list[int]] | None = None  # several KV-cache groups: each group's blocks
 
 
 @dataclass
@@ -110,11 +125,13 @@ class RealizeOp:
 
 @dataclass
 class SaveOp:
-    """Copy engine blocks into donor-store slots after this step's forward."""
+    """Copy engine blocks into donor-store slots after this step's forward (with several
+    KV-cache groups, each group's own blocks: ``groups``, as in ``LoadOp``)."""
 
     slots: list[int]
     generations: list[int]
     block_ids: list[int]
+    groups: list[list[int]] | None = None
 
 
 @dataclass

@@ -110,7 +110,10 @@ class SchedulerSide:
         # Shared donor store: (request, local prefix) -> tokens it can load beyond the local
         # prefix, None while its lookup runs. Such stores load between steps.
         self.shared_lookup = shared_lookup
-        self.async_load = config.async_load or shared_lookup is not None
+        # NOTE: with several KV-cache groups a failed load can only be reported per request
+        # (vLLM maps invalid block ids back to requests for one group only): asynchronous
+        self.async_load = (config.async_load or shared_lookup is not None
+                           or support.groups > 1)
         self.materialize = config.semantic_mode.materializes
         self.index = StoreIndex(num_slots)
         self.leases = LeaseTable()
@@ -150,6 +153,7 @@ class SchedulerSide:
             provider.known = lambda d: d in self.registry.donors or self.foreign.is_shared(d)
         self.hook_seconds = 0.0  # connector hooks' time since the last stats export
         self.kv_cache_manager: Any = None
+        self.null_block = 0  # vLLM's null block id (read from its block pool when bound)
         self._exported: dict[str, int] = {}  # the guard's counters, as last exported
 
     @property
@@ -432,12 +436,13 @@ class SchedulerSide:
             self.stats.inc("materialize_requests", d.quality_tier)
             st.planned = True
             return
-        block_ids = blocks.get_block_ids()[0]
-        if st.span is not None:
-            self.pending_realizes.append(realize_op(st, block_ids))
+        block_ids = blocks.get_block_ids()  # one list per KV-cache group
+        if st.span is not None:  # one group only (EngineSupport.realize)
+            self.pending_realizes.append(realize_op(st, block_ids[0]))
             request_only = True
         else:
-            load = load_op(st, block_ids, self.bs, asynchronous=self.async_load)
+            load = load_op(st, block_ids, self.bs, asynchronous=self.async_load,
+                           null_block=self.null_block)
             self.pending_loads.append(load)
             request_only = load.segments is not None
         if request_only:
@@ -461,7 +466,7 @@ class SchedulerSide:
                 st = self.requests.get(rid)
                 if st is not None and st.may_save and not st.registered:
                     self.registry.capture(st, st.request.num_computed_tokens + scheduled, meta,
-                                          self.kv_cache_manager)
+                                          self.kv_cache_manager, self.null_block)
         self.index.evicted_keys.clear()
         if self.fetch_lookups is not None:
             self.fetch_lookups.settle()  # lookups of aborted requests, once answered

@@ -11,6 +11,11 @@ NOTE: verified/semantic loads (``LoadOp.segments``) go token by token: donor pag
 through the ``PageLayout`` probed from the engine's own cache-write kernel, keys are moved to
 their new positions with ``RopeShift``, and whole target blocks are written back. Without a
 known layout (or a needed shift without a RopeShift) such a load fails and is recomputed.
+NOTE: with several KV-cache groups (vLLM's hybrid manager) each layer is copied with its own
+group's blocks (``LoadOp.groups`` / ``SaveOp.groups``); a position whose block a window group
+does not hold (``NO_BLOCK``: vLLM's null block) is neither read nor written. A failed load is
+then reported per request (``take_failed_recving``), never as block ids, which vLLM maps back to
+requests for one group only.
 NOTE: saves start in ``wait_for_save``, after the whole forward, and only cover blocks whose
 every token was computed by the end of this step (the scheduler guarantees it), so chunked
 prefill never stores a partial block.
@@ -47,7 +52,7 @@ from semkv.cost import RealizeWork
 from semkv.log import get_logger
 from semkv.metrics import CounterBag
 from semkv_vllm.block_copy import allocate_store, copy_blocks
-from semkv_vllm.metadata import LoadOp, SaveOp, SemkvMetadata, SemkvWorkerMetadata
+from semkv_vllm.metadata import NO_BLOCK, LoadOp, SaveOp, SemkvMetadata, SemkvWorkerMetadata
 from semkv_vllm.options import round_blocks_fp8
 from semkv_vllm.page_layout import PageLayout
 from semkv_vllm.realization import SpanRealizer
@@ -67,8 +72,11 @@ class _SaveResult:
 class WorkerSide:
     def __init__(self, num_slots: int, *, layerwise: bool = False,
                  rope: RopeShift | None = None, async_save: bool = False,
-                 transfer_timeout_s: float = 120.0) -> None:
+                 transfer_timeout_s: float = 120.0,
+                 groups: list[list[str]] | None = None) -> None:
         self.num_slots = num_slots
+        # layer name -> its KV-cache group (an op's ``groups[g]`` are that group's blocks)
+        self.group_of = {name: g for g, names in enumerate(groups or []) for name in names}
         self.layerwise = layerwise
         self.async_save = async_save
         self._saver: ThreadPoolExecutor | None = None
@@ -88,6 +96,7 @@ class WorkerSide:
         self._loaded: dict[str, int] = {}
         self._recomputed: dict[str, int] = {}  # realized requests: copied tokens recomputed
         self._failed: set[str] = set()
+        self._failed_recving: set[str] = set()  # several KV-cache groups: failed per request
         self._failed_counted: set[str] = set()  # one materialize_failed per request and step
         self.report_layout = False  # set when token-level loads are configured
         self.timings = Timings()  # the cost gate's samples, until reported
@@ -186,11 +195,19 @@ class WorkerSide:
             if not self._pending_layers_for(op):
                 self._done(op, counted=op.request_id not in self._failed)
 
+    def _blocks(self, op: LoadOp | SaveOp, name: str) -> tuple[list[int], list[int]]:
+        """(slots, blocks) of ``op`` for layer ``name``: its group's blocks, without the
+        positions its group holds no block at (vLLM's null block: never read or written)."""
+        ids = op.block_ids if op.groups is None else op.groups[self.group_of[name]]
+        kept = [(slot, b) for slot, b in zip(op.slots, ids, strict=True) if b != NO_BLOCK]
+        return [slot for slot, _ in kept], [b for _, b in kept]
+
     def _load_layer(self, op: LoadOp, name: str) -> None:
         kv = self.kv_caches[name]
         if op.segments is None:
-            copy_blocks(self.store[name], op.slots, kv, op.block_ids)
-            self._floor(op.kv_floor, kv, op.block_ids)
+            slots, ids = self._blocks(op, name)
+            copy_blocks(self.store[name], slots, kv, ids)
+            self._floor(op.kv_floor, kv, ids)
             return
         if self.layout is None:
             raise RuntimeError("page layout unknown: token-level loads are not possible")
@@ -242,7 +259,10 @@ class WorkerSide:
 
     def _fail(self, op: LoadOp, why: str) -> None:
         self._maps.pop(id(op), None)
-        self._invalid_blocks.update(op.block_ids)
+        if op.groups is None:
+            self._invalid_blocks.update(b for b in op.block_ids if b != NO_BLOCK)
+        else:  # vLLM maps invalid block ids back to requests for one group only
+            self._failed_recving.add(op.request_id)
         self._failed.add(op.request_id)
         self._loaded.pop(op.request_id, None)
         if op.request_id not in self._failed_counted:  # layerwise loads fail once per layer
@@ -290,7 +310,8 @@ class WorkerSide:
         for op in ops:
             try:
                 for name, kv in self.kv_caches.items():
-                    copy_blocks(kv, op.block_ids, self.store[name], op.slots)
+                    slots, ids = self._blocks(op, name)
+                    copy_blocks(kv, ids, self.store[name], slots)
             except Exception as exc:  # noqa: BLE001 - an unsaved block is a future miss
                 for slot in op.slots:
                     self.slot_generation[slot] = -1
@@ -323,6 +344,10 @@ class WorkerSide:
         self.spans.advance(finished_req_ids or set(), idle=idle)
         done, self._finished_recving = self._finished_recving, set()
         return done
+
+    def take_failed_recving(self) -> set[str]:
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def take_invalid_blocks(self) -> set[int]:
         invalid, self._invalid_blocks = self._invalid_blocks, set()
