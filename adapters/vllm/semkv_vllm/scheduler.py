@@ -144,6 +144,7 @@ class SchedulerSide:
         self.class_gate, self.cost_gate = class_gate, cost_gate
         if self.spans is not None:
             self.spans.classes, self.spans.cost = class_gate, cost_gate
+            self.spans.engine_limit = support.realize
         self.fetches = (SpanFetches(self.fetch_lookups, self.spans, self.stats,
                                     timeout_s=config.transfer_timeout_s)
                         if self.spans is not None and self.fetch_lookups is not None else None)

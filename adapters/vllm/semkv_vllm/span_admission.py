@@ -60,6 +60,7 @@ from semkv.types import (
     QualityTier,
     SemanticKVMatch,
 )
+from semkv_vllm.engine_setup import Limit
 from semkv_vllm.metadata import CopySource, FetchOp, RealizeOp
 from semkv_vllm.store_index import StoreIndex
 
@@ -173,6 +174,9 @@ class SpanAdmission:
         self.cost: CostGate | None = None  # the cost gate; None: plans are not priced
         self.classes: ClassGate | None = None  # the gate policy by class; None: ungated
         self.refused_class: PlanClass | None = None  # the last plan a gate refused
+        # the engine's own limit (tensor parallelism, KV-cache groups): every plan refused as
+        # it, before the gates (a class the engine cannot realize is not the policy's to judge)
+        self.engine_limit: Limit | None = None
 
     def plan(self, request_id: str, target: Sequence[int], local: int,
              candidates: Sequence[Candidate], view: Callable[[str], DonorView | None],
@@ -201,6 +205,9 @@ class SpanAdmission:
         if exact is not None and exact.external_prefix_tokens >= plan.copied_tokens:
             return FallbackReason.EXACT_PREFIX_SUFFICIENT  # the exact match serves as much
         cls = plan_class(plan)
+        if self.engine_limit is not None:
+            self._refused(self.engine_limit.counter, cls)
+            return self.engine_limit.reason
         if self.classes is not None:
             # the class's strategy over the engine's (a request's own fields never fill what
             # the policy leaves unset); ungated, the request's or engine's strategy as it is

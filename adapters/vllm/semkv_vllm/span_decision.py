@@ -57,13 +57,6 @@ class SpanDecision:
         planned_now = refusal is None  # refused_class is the last plan's: this one's only now
         refused_class = (side.spans.refused_class
                          if planned_now and isinstance(planned, FallbackReason) else None)
-        limit = side.support.realize  # the engine's own (tensor parallelism, KV-cache groups)
-        if not isinstance(planned, FallbackReason) and limit is not None:
-            refused_class = plan_class(planned[1].plan)
-            side.spans.release(planned[1])
-            side.stats.inc("realize_refused", limit.counter)
-            side.stats.inc("span_refused", refused_class.value)
-            planned = limit.reason
         engine_refused = refused_class is not None
         if isinstance(planned, FallbackReason) and engine_refused:
             st.refused_span = (refused_class, planned)
@@ -114,7 +107,7 @@ class SpanDecision:
             return FallbackReason.RECOMPUTE_POLICY  # loaded KV could become exact cache state
         if realize:
             if side.support.realize is not None:
-                return None  # planned, then refused as the engine's limit, with its class
+                return None  # planned: refused as the engine's limit, with its class
             # shifted copies also need RoPE re-rotation: refused per plan by the worker
             ok = bool(side.layout_known and side.can_realize and side.can_shift)
             return None if ok else FallbackReason.UNSUPPORTED_REQUEST

