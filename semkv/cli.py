@@ -56,10 +56,10 @@ def _cmd_model_path(args: argparse.Namespace) -> int:
 def _cmd_kv_cache_bytes(args: argparse.Namespace) -> int:
     from semkv.kv_sizing import kv_cache_bytes
 
-    if args.model is None:
-        from semkv.bundled_model import ensure_model
+    from semkv.bundled_model import DEFAULT, MODELS, ensure_model
 
-        args.model = str(ensure_model())
+    if args.model is None or args.model in MODELS:  # a bundled model, by name
+        args.model = str(ensure_model(args.model or DEFAULT))
     try:
         print(kv_cache_bytes(args.model, max_model_len=args.max_model_len,
                              max_num_seqs=args.max_num_seqs, block_size=args.block_size,
@@ -77,7 +77,8 @@ def _add_kv_cache_bytes(sub: argparse._SubParsersAction) -> None:  # type: ignor
         "kv-cache-bytes",
         help="bytes of KV cache for --kv-cache-memory-bytes: the model's KV per token x the "
              "tokens the run keeps (max-num-seqs x max-model-len, whole blocks)")
-    cmd.add_argument("--model", help="model folder with config.json (default: the bundled one)")
+    cmd.add_argument("--model", help="model folder with config.json, or a bundled model's name "
+                                     "(smollm2-135m, the default; gemma3-270m)")
     cmd.add_argument("--max-model-len", type=int, default=kv_sizing.DEFAULT_MAX_MODEL_LEN)
     cmd.add_argument("--max-num-seqs", type=int, default=kv_sizing.DEFAULT_MAX_NUM_SEQS,
                      help="requests resident at full length at once")

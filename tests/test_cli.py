@@ -41,6 +41,16 @@ def test_model_path_points_to_a_converted_model():
         assert json.load(fh)["num_hidden_layers"] == 30
 
 
+def test_kv_cache_bytes_takes_a_bundled_model_by_name():
+    by_name = subprocess.run(SEMKV + ["kv-cache-bytes", "--model", "smollm2-135m"],
+                             capture_output=True, text=True, env=_env())
+    default = subprocess.run(SEMKV + ["kv-cache-bytes"], capture_output=True, text=True,
+                             env=_env())
+    assert by_name.returncode == default.returncode == 0, by_name.stderr + default.stderr
+    # 30 layers x 3 KV heads x 64 x 2 x 4 bytes x 4 requests x 4,096 tokens
+    assert int(by_name.stdout) == int(default.stdout) == 30 * 3 * 64 * 2 * 4 * 4 * 4096
+
+
 def test_bench_says_when_the_corpora_cannot_supply_the_workload():
     """Before any engine starts: a clear message and exit 2, no traceback."""
     out = subprocess.run(SEMKV + ["bench", "--preset", "frontier-long", "--clusters", "400",
