@@ -54,9 +54,8 @@ def _cmd_model_path(args: argparse.Namespace) -> int:
 
 
 def _cmd_kv_cache_bytes(args: argparse.Namespace) -> int:
-    from semkv.kv_sizing import kv_cache_bytes
-
     from semkv.bundled_model import DEFAULT, MODELS, ensure_model
+    from semkv.kv_sizing import kv_cache_bytes
 
     if args.model is None or args.model in MODELS:  # a bundled model, by name
         args.model = str(ensure_model(args.model or DEFAULT))
