@@ -15,10 +15,12 @@ position of four essay prompts, and whether the argmax moves when a prompt's fir
 replaced. ``tiny_model_dir`` refuses a model whose 1st-percentile margin is not 100x its noise
 or whose output ignores the far context.
 
-``tiny_model_dir("gemma3")`` is a tiny Gemma 3 text model (``Gemma3TextConfig``): 12 layers in
-Gemma 3's own pattern, five of a 64-token sliding window to one of full attention (at 6 layers,
-one full layer let the far context move the argmax on 1 prompt of 4: the check refused it);
-vLLM's hybrid KV cache keeps six KV-cache groups for it, as for Gemma 3 270M.
+``tiny_model_dir("mistral")`` and ``tiny_model_dir("qwen2")`` are the same geometry in vLLM's
+other Llama-family architectures. ``tiny_model_dir("gemma3")`` is a tiny Gemma 3 text model
+(``Gemma3TextConfig``): 12 layers in Gemma 3's own pattern, five of a 64-token sliding window
+to one of full attention (at 6 layers, one full layer let the far context move the argmax on 1
+prompt of 4: the check refused it); vLLM's hybrid KV cache keeps six KV-cache groups for it, as
+for Gemma 3 270M.
 ``tiny_model_dir("gemma3-windowed")`` windows every layer: one group, whose blocks out of the
 window are vLLM's null block; its far context is out of reach by design, so only the margin
 check applies to it. Both use the bundled tokenizer and the same initializer scale.
@@ -43,9 +45,14 @@ WINDOW = 64  # the Gemma 3 models' sliding window: a test prompt crosses it many
 _GEMMA3 = {"num_hidden_layers": 12, "hidden_size": 192, "intermediate_size": 384,
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
            "sliding_window": WINDOW, "initializer_range": 0.1, "max_position_embeddings": 8192}
+_LLAMA_LIKE = {**GEOMETRY, "max_position_embeddings": 8192}
 # family -> (the transformers config class, or None: the bundled model's own; its settings)
 FAMILIES: dict[str, tuple[str | None, dict[str, Any]]] = {
     "llama": (None, GEOMETRY),
+    # the rest of vLLM's Llama family (semkv_vllm.models.RUNNERS): Mistral without a window,
+    # Qwen2 (biases on q/k/v)
+    "mistral": ("MistralConfig", {**_LLAMA_LIKE, "sliding_window": None}),
+    "qwen2": ("Qwen2Config", {**_LLAMA_LIKE, "use_sliding_window": False}),
     "gemma3": ("Gemma3TextConfig", _GEMMA3),
     "gemma3-windowed": ("Gemma3TextConfig",
                         {**_GEMMA3, "layer_types": ["sliding_attention"] * 12}),
