@@ -219,6 +219,30 @@ def semkv_metrics(llm: Any) -> dict[str, float]:
     return totals
 
 
+def semkv_metrics_by_label(llm: Any) -> dict[str, float]:
+    """``vllm:semkv_*`` counters by name and by each label value (``name:key=value``), so
+    ``vllm:semkv_realize_refused{reason="kv_groups"}`` reads as ``...:reason=kv_groups``."""
+    totals: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:semkv_") and hasattr(metric, "value"):
+            labels = [f"{k}={v}" for k, v in sorted(metric.labels.items())
+                      if k not in ("model_name", "engine")]
+            for name in (metric.name, *(f"{metric.name}:{label}" for label in labels)):
+                totals[name] = totals.get(name, 0.0) + float(metric.value)
+    return totals
+
+
+def token_texts(llm: Any, seed: int, *sizes: int) -> list[list[int]]:
+    """One token list per size, of bundled essays (read at run time) joined and cut to that many
+    tokens, no special tokens; the lists' seeds are 10 apart."""
+    tok = llm.get_tokenizer()
+    out = []
+    for i, size in enumerate(sizes):
+        text = "\n\n".join(essay_prompts(1 + size // 300, chars=2400, seed=seed + 10 * i))
+        out.append(tok(text, add_special_tokens=False)["input_ids"][:size])
+    return out
+
+
 def essay_prompts(count: int, *, chars: int = 2400, seed: int = 0) -> list[str]:
     """Distinct long documents read at run time from the bundled essays (never committed)."""
     import random

@@ -39,7 +39,9 @@ from tests.engine_utils import (  # noqa: E402
     essay_prompts,
     generate_ids,
     output_tokens,
+    semkv_metrics_by_label,
     semkv_summary,
+    token_texts,
 )
 from tests.tiny_engine_model import WINDOW, tiny_model_dir  # noqa: E402
 
@@ -81,27 +83,6 @@ def run(llm: Any, ids: list[int], max_tokens: int = 8, **options: Any) -> Any:
     return generate_ids(llm, ids, max_tokens, request_params(**options) if options else None)
 
 
-def metrics(llm: Any) -> dict[str, float]:
-    """``vllm:semkv_*`` counters by name and by each label value (``name:key=value``)."""
-    totals: dict[str, float] = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:semkv_") and hasattr(metric, "value"):
-            labels = [f"{k}={v}" for k, v in sorted(metric.labels.items())
-                      if k not in ("model_name", "engine")]
-            for name in (metric.name, *(f"{metric.name}:{label}" for label in labels)):
-                totals[name] = totals.get(name, 0.0) + float(metric.value)
-    return totals
-
-
-def texts(llm: Any, seed: int, *sizes: int) -> list[list[int]]:
-    tok = llm.get_tokenizer()
-    out = []
-    for i, size in enumerate(sizes):
-        text = "\n\n".join(essay_prompts(1 + size // 400, chars=2400, seed=seed + 10 * i))
-        out.append(tok(text, add_special_tokens=False)["input_ids"][:size])
-    return out
-
-
 def worker_side() -> Any:
     """The in-process engine's worker connector (its KV caches and donor store)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -135,7 +116,7 @@ def test_a_stored_prefix_is_served_as_vllms_own_hit(family_engine, inside):
     block later: vLLM's own cache still holds its window groups' last blocks, so vLLM's own hit
     (of ``PREFIX``, whole blocks) is the reference."""
     family, llm, _ = family_engine
-    shared, tail, body = texts(llm, 60 + inside, PREFIX + inside, 20 - inside,
+    shared, tail, body = token_texts(llm, 60 + inside, PREFIX + inside, 20 - inside,
                                12 * WINDOW - PREFIX)
     donor, target = shared + tail, shared + body  # the target: 12 windows long
     llm.reset_prefix_cache(reset_connector=True)
@@ -161,7 +142,7 @@ def test_a_prefix_vllms_own_cache_dropped_is_served(family_engine):
     blocks there while the donor ran (its own hit is 0 on this vLLM), semkv stored every
     group's blocks and serves them; output as cold."""
     family, llm, _ = family_engine
-    prefix, tail, body = texts(llm, 70, PREFIX, 6 * BLOCK, 12 * WINDOW - PREFIX)
+    prefix, tail, body = token_texts(llm, 70, PREFIX, 6 * BLOCK, 12 * WINDOW - PREFIX)
     donor, target = prefix + tail, prefix + body
     llm.reset_prefix_cache(reset_connector=True)
     cold = output_tokens(run(llm, target, **OUT_OF_IT))
@@ -182,7 +163,7 @@ def test_a_prefix_vllms_own_cache_dropped_is_served(family_engine):
 
 def test_a_failed_load_is_recomputed_as_cold(family_engine):
     family, llm, _ = family_engine
-    prefix, tail, body = texts(llm, 90, PREFIX, 150, 8 * WINDOW)
+    prefix, tail, body = token_texts(llm, 90, PREFIX, 150, 8 * WINDOW)
     llm.reset_prefix_cache(reset_connector=True)
     cold = output_tokens(run(llm, prefix + body, **OUT_OF_IT))
     llm.reset_prefix_cache(reset_connector=True)
@@ -193,14 +174,14 @@ def test_a_failed_load_is_recomputed_as_cold(family_engine):
     worker.slot_generation = [-2] * len(kept)  # every slot stale: the copy is refused
     null = null_blocks()
     try:
-        before = metrics(llm)
+        before = semkv_metrics_by_label(llm)
         out = run(llm, prefix + body, save=False)
     finally:
         worker.slot_generation = kept
     s = semkv_summary(out)
     assert (s["provenance"], s["fallback_reason"]) == ("fallback_recompute", "load_failed"), s
     assert output_tokens(out) == cold, family
-    delta = {k: v - before.get(k, 0.0) for k, v in metrics(llm).items()}
+    delta = {k: v - before.get(k, 0.0) for k, v in semkv_metrics_by_label(llm).items()}
     assert delta.get("vllm:semkv_materialize_failed") == 1, delta
     assert all(bool((a == b).all()) for a, b in zip(null, null_blocks(), strict=True))
 
@@ -226,9 +207,9 @@ def test_a_realized_plan_is_refused_by_name_and_the_exact_prefix_kept(family_eng
     run(llm, donor, 1, lookup=False)
     run(llm, opener, 1, lookup=False)
     llm.reset_prefix_cache()
-    before = metrics(llm)
+    before = semkv_metrics_by_label(llm)
     out = run(llm, target, save=False)
-    delta = {k: v - before.get(k, 0.0) for k, v in metrics(llm).items()}
+    delta = {k: v - before.get(k, 0.0) for k, v in semkv_metrics_by_label(llm).items()}
     s = semkv_summary(out)
     assert delta.get("vllm:semkv_realize_refused:reason=kv_groups") == 1, delta
     assert s["span_refused"]["reason"] == "unsupported_kv_groups", s

