@@ -181,7 +181,7 @@ def test_exact_tier_still_wins_under_materialize_semantic(h):
 def test_engine_support_names_what_each_engine_cannot_take():
     import copy
 
-    from semkv_vllm.engine_setup import engine_support
+    from semkv_vllm.engine_support import engine_support
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -249,7 +249,7 @@ def test_engine_support_names_what_each_engine_cannot_take():
 
 
 def test_an_engine_whose_kv_groups_semkv_cannot_address_serves_and_stores_nothing():
-    from semkv_vllm.engine_setup import EngineSupport, Limit
+    from semkv_vllm.engine_support import EngineSupport, Limit
 
     from semkv.types import FallbackReason
 

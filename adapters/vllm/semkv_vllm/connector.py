@@ -9,7 +9,8 @@ Operators select it with::
 
 One instance runs in the scheduler process (role SCHEDULER: discovery, admission, plans) and
 one in every worker (role WORKER: block copies). See ``scheduler.py`` and ``worker.py`` for the
-per-step protocol of each side, ``engine_setup.py`` for what is checked at start-up.
+per-step protocol of each side, ``engine_setup.py`` for what is checked at start-up and
+``engine_support.py`` for what an engine's requests can take (its KV-cache groups, its limits).
 
 NOTE: configuration problems (unknown key, bad value, provider not installed, bad provider
 config) raise at engine start-up, naming the problem; nothing starts half-configured.
@@ -50,17 +51,15 @@ from semkv_vllm.class_gate import ClassGate
 from semkv_vllm.commit_policy import ExternalKVCachePolicy
 from semkv_vllm.cost_gate import EngineCost
 from semkv_vllm.engine_setup import (
-    EngineSupport,
     build_provider,
     build_shared_store,
     check_semantic_setup,
     check_store_fits_host,
-    engine_support,
-    kv_groups,
     probe_layout,
     realizes_spans,
     store_geometry,
 )
+from semkv_vllm.engine_support import EngineSupport, engine_support, kv_groups
 from semkv_vllm.metadata import SemkvMetadata, SemkvWorkerMetadata
 from semkv_vllm.namespace import namespace_from_vllm_config
 from semkv_vllm.rope import RopeShift

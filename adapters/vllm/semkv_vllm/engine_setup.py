@@ -6,16 +6,14 @@ raises (naming the problem) rather than start half-configured.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from semkv.config import ConfigError, SemkvConfig
 from semkv.log import get_logger
 from semkv.lookup import GuardedProvider
 from semkv.provider import ProviderContext
-from semkv.types import FallbackReason, Mode, QualityTier
+from semkv.types import Mode, QualityTier
 from semkv_vllm.namespace import namespace_from_vllm_config
 from semkv_vllm.page_layout import PageLayout, backend_writer
 
@@ -131,104 +129,6 @@ def request_only_possible(vllm_config: VllmConfig) -> bool:
     except Exception:  # noqa: BLE001 - an unresolvable class is vLLM's error to raise
         return False
     return isinstance(cls, type) and issubclass(cls, CommitPolicyScheduler)
-
-
-@dataclass(frozen=True)
-class Limit:
-    """Why this engine's requests cannot take one kind of reuse. A refused request or plan is
-    counted as ``reason`` (a realized span's plan also as ``realize_refused{counter}``)."""
-
-    reason: FallbackReason
-    counter: str
-    why: str
-
-
-@dataclass(frozen=True)
-class EngineSupport:
-    """What this engine's requests can take from semkv (None: they can; else why not).
-
-    ``exact``: any donor KV at all (every request prefills normally, nothing is stored);
-    ``non_exact``: KV laid over other tokens or positions (token-level edits, shifted or
-    realized spans); ``realize``: realized spans (each plan refused, its exact prefix kept).
-    ``groups``: the engine's KV-cache groups (several: per-group copies, loads asynchronous).
-    NOTE: read once at start-up from the engine's configuration; the workers' own limits (page
-    layout, the model's family) come with their first step (``SchedulerSide.can_realize``).
-    """
-
-    exact: Limit | None = None
-    non_exact: Limit | None = None
-    realize: Limit | None = None
-    groups: int = 1
-
-    def log_fields(self, config: SemkvConfig) -> dict[str, str]:
-        """The start-up line: what this engine gets, and why not."""
-        wants_realize = realizes_spans(config)
-        realize = ("off" if not wants_realize else
-                   "no" if (self.exact or self.non_exact or self.realize) else "yes")
-        why = self.exact or (self.non_exact or self.realize if wants_realize else None)
-        fields = {"exact_tier": "no" if self.exact else "yes", "realized_spans": realize}
-        return fields | ({"why": why.why, "refused_as": why.reason.value}
-                         if why is not None else {})
-
-
-def kv_groups(kv_cache_config: KVCacheConfig) -> list[list[str]]:
-    """The layer names of each KV-cache group (a group's layers share its block ids)."""
-    return [list(group.layer_names) for group in kv_cache_config.kv_cache_groups]
-
-
-def _kv_groups_limits(kv_cache_config: KVCacheConfig, block_size: int,
-                      config: SemkvConfig) -> tuple[Limit | None, Limit | None]:
-    """(exact, non-exact) limits of the engine's KV-cache groups.
-
-    One group of full-attention layers: none. Full-attention and sliding-window groups of the
-    engine's block size (vLLM's hybrid manager: Gemma 3, gpt-oss; or every layer windowed): the
-    exact tier copies each group's own blocks (a window group's out-of-window blocks are vLLM's
-    null block, never read or written); edits of KV and realized spans address one group only.
-    Anything else (Mamba, chunked local attention, other block sizes): nothing.
-    """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
-
-    specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
-    if len(specs) == 1 and type(specs[0]) in (FullAttentionSpec, MLAAttentionSpec):
-        return None, None
-    kinds = Counter(_spec_kind(spec) for spec in specs)
-    listed = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
-    # NOTE: short (a log line redacts longer strings as payload); the reason says the rest
-    limit = Limit(FallbackReason.UNSUPPORTED_KV_GROUPS, "kv_groups",
-                  f"{len(specs)} KV-cache group(s) ({listed})")
-    copyable = all(type(spec) in (FullAttentionSpec, SlidingWindowSpec)
-                   and spec.block_size == block_size for spec in specs)
-    if not copyable or config.donor_store == "lmcache":  # LMCache's connector: one group
-        return limit, limit
-    return None, limit
-
-
-def _spec_kind(spec: Any) -> str:
-    window = getattr(spec, "sliding_window", None)
-    name = type(spec).__name__.removesuffix("Spec")
-    return f"{name} {window}" if window else name
-
-
-def engine_support(config: SemkvConfig, vllm_config: VllmConfig,
-                   kv_cache_config: KVCacheConfig) -> EngineSupport:
-    """What this engine's requests can take from semkv, read from its configuration."""
-    whole = None
-    if vllm_config.speculative_config is not None:
-        whole = "speculative decoding"
-    elif vllm_config.model_config.is_encoder_decoder:
-        whole = "encoder-decoder model"
-    exact, non_exact = ((Limit(FallbackReason.UNSUPPORTED_REQUEST, "engine", whole),) * 2
-                        if whole is not None else _kv_groups_limits(
-                            kv_cache_config, vllm_config.cache_config.block_size, config))
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    # NOTE: realized spans are refused under tensor parallelism: each rank would realize its
-    # own heads, and one rank's failure, stale slot or deadline would leave the other ranks'
-    # all-reduces unpaired (hang or wrong sums).
-    realize = non_exact or (Limit(FallbackReason.UNSUPPORTED_REQUEST, "tensor_parallel",
-                                  f"tensor_parallel_size={tp}: realized spans run on one rank")
-                            if tp > 1 else None)
-    return EngineSupport(exact=exact, non_exact=non_exact, realize=realize,
-                         groups=len(kv_cache_config.kv_cache_groups))
 
 
 def check_semantic_setup(config: SemkvConfig, vllm_config: VllmConfig) -> None:

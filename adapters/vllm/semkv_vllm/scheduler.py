@@ -60,7 +60,7 @@ from semkv.types import (
     SemanticKVMatch,
 )
 from semkv_vllm.donor_registry import Donor, DonorRegistry
-from semkv_vllm.engine_setup import EngineSupport
+from semkv_vllm.engine_support import EngineSupport
 from semkv_vllm.finish_order import FinishOrder
 from semkv_vllm.foreign_donors import ForeignDonors
 from semkv_vllm.lmcache_fetch import FetchLookups, SpanFetches
@@ -98,7 +98,7 @@ class SchedulerSide:
         self.bs = block_size
         self.namespace = namespace
         self.bytes_per_slot = bytes_per_slot
-        self.support = support  # what this engine's requests can take (engine_setup.py)
+        self.support = support  # what this engine's requests can take (engine_support.py)
         self.provider = provider
         self.can_shift = can_shift  # positions of this model's keys can be moved (RoPE)
         self.finish_order = FinishOrder()

@@ -60,7 +60,7 @@ from semkv.types import (
     QualityTier,
     SemanticKVMatch,
 )
-from semkv_vllm.engine_setup import Limit
+from semkv_vllm.engine_support import Limit
 from semkv_vllm.metadata import CopySource, FetchOp, RealizeOp
 from semkv_vllm.store_index import StoreIndex
 
