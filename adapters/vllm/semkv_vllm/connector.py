@@ -59,7 +59,7 @@ from semkv_vllm.engine_setup import (
     realizes_spans,
     store_geometry,
 )
-from semkv_vllm.engine_support import EngineSupport, engine_support, kv_groups
+from semkv_vllm.engine_support import engine_support, kv_groups
 from semkv_vllm.metadata import SemkvMetadata, SemkvWorkerMetadata
 from semkv_vllm.namespace import namespace_from_vllm_config
 from semkv_vllm.rope import RopeShift
@@ -105,11 +105,10 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self.commit_policy_enforced = False  # set by CommitPolicyScheduler
-        self.support: EngineSupport | None = None  # scheduler role: what its requests can get
         if role == KVConnectorRole.SCHEDULER:
             block_size = vllm_config.cache_config.block_size
-            self.support = engine_support(self.config, vllm_config, kv_cache_config)
-            said = self.support.log_fields(self.config)
+            support = engine_support(self.config, vllm_config, kv_cache_config)
+            said = support.log_fields(self.config)
             # one line: what this engine's requests get (each refusal is counted per request)
             (log.info if "why" not in said else log.warning)("semkv_engine_support", **said)
             provider = (None if self.config.semantic_mode is Mode.DISABLED
@@ -118,7 +117,7 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
                 self.config, block_size=block_size,
                 namespace=namespace_from_vllm_config(vllm_config), num_slots=slots,
                 bytes_per_slot=per_slot,
-                support=self.support, provider=provider,
+                support=support, provider=provider,
                 can_shift=rope is not None,
                 request_only_enforced=lambda: (
                     self.commit_policy_enforced
@@ -146,20 +145,14 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
         """Why this engine's requests get no realized span (None: they can). The workers' part
         is known once they have reported with their first step (``semkv calibrate`` asks after
         its warm-up request and fails on an answer, before measuring anything)."""
-        side, support = self._scheduler, self.support
-        assert side is not None and support is not None, "scheduler role only"
-        if support.realize is not None:
-            return support.realize.why
+        side = self._scheduler
+        assert side is not None, "scheduler role only"
+        if side.support.realize is not None:
+            return side.support.realize.why
         if not (realizes_spans(self.config) and side.spans is not None):
             return ("realized spans are off in this configuration (realize_spans, "
                     "semantic_mode materialize_semantic, semantic_tiers with verified)")
-        if side.layout_known is False:
-            return "the attention backend's page layout is unknown"
-        if side.can_realize is False:
-            return side.realize_why or "the workers cannot realize spans"
-        if not side.can_shift:
-            return "the model's positions cannot be moved (no rotary shift)"
-        return None
+        return side.workers_refusal()
 
     def _fetch_lookups(self) -> Any:
         if not self._fetches:

@@ -157,6 +157,19 @@ class SchedulerSide:
         self.null_block = 0  # vLLM's null block id (read from its block pool when bound)
         self._exported: dict[str, int] = {}  # the guard's counters, as last exported
 
+    def workers_refusal(self) -> str | None:
+        """Why the workers cannot realize spans (None: they can; so far unreported counts as
+        cannot). Shifted copies also need the model's RoPE re-rotation."""
+        if self.layout_known is None or self.can_realize is None:
+            return "the workers have not reported what they can do yet"
+        if not self.layout_known:
+            return "the attention backend's page layout is unknown"
+        if not self.can_realize:
+            return self.realize_why or "the workers cannot realize spans"
+        if not self.can_shift:
+            return "the model's positions cannot be moved (no rotary shift)"
+        return None
+
     @property
     def workers_reported(self) -> bool:
         return self.layout_known is not None or self.can_realize is not None

@@ -108,9 +108,8 @@ class SpanDecision:
         if realize:
             if side.support.realize is not None:
                 return None  # planned: refused as the engine's limit, with its class
-            # shifted copies also need RoPE re-rotation: refused per plan by the worker
-            ok = bool(side.layout_known and side.can_realize and side.can_shift)
-            return None if ok else FallbackReason.UNSUPPORTED_REQUEST
+            return (None if side.workers_refusal() is None
+                    else FallbackReason.UNSUPPORTED_REQUEST)
         if side.support.non_exact is not None:
             return side.support.non_exact.reason  # the engine's KV cache cannot take it
         span = assessment.span if assessment is not None else None
