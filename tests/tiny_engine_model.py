@@ -16,7 +16,9 @@ replaced. ``tiny_model_dir`` refuses a model whose 1st-percentile margin is not 
 or whose output ignores the far context.
 
 ``tiny_model_dir("mistral")`` and ``tiny_model_dir("qwen2")`` are the same geometry in vLLM's
-other Llama-family architectures. ``tiny_model_dir("gemma3")`` is a tiny Gemma 3 text model
+other Llama-family architectures; ``tiny_model_dir("mistral-windowed")`` is Mistral with a
+64-token sliding window in every layer (its far context is out of reach by design).
+``tiny_model_dir("gemma3")`` is a tiny Gemma 3 text model
 (``Gemma3TextConfig``): 12 layers in Gemma 3's own pattern, five of a 64-token sliding window
 to one of full attention (at 6 layers, one full layer let the far context move the argmax on 1
 prompt of 4: the check refused it); vLLM's hybrid KV cache keeps six KV-cache groups for it, as
@@ -52,6 +54,8 @@ FAMILIES: dict[str, tuple[str | None, dict[str, Any]]] = {
     # the rest of vLLM's Llama family (semkv_vllm.models.RUNNERS): Mistral without a window,
     # Qwen2 (biases on q/k/v)
     "mistral": ("MistralConfig", {**_LLAMA_LIKE, "sliding_window": None}),
+    # every layer windowed (vLLM: one sliding-window KV-cache group)
+    "mistral-windowed": ("MistralConfig", {**_LLAMA_LIKE, "sliding_window": WINDOW}),
     "qwen2": ("Qwen2Config", {**_LLAMA_LIKE, "use_sliding_window": False}),
     "gemma3": ("Gemma3TextConfig", _GEMMA3),
     "gemma3-windowed": ("Gemma3TextConfig",
@@ -87,8 +91,10 @@ def tiny_model_dir(family: str = "llama") -> Path:
 def _check(checks: dict[str, Any], family: str) -> None:
     if checks["margin_p1"] < NOISE_TO_MARGIN * checks["noise"]:
         raise RuntimeError(f"tiny model: greedy margins too close to float noise: {checks}")
-    layer_types = FAMILIES[family][1].get("layer_types")
-    far_reach = layer_types is None or "full_attention" in layer_types
+    settings = FAMILIES[family][1]
+    layer_types = settings.get("layer_types")
+    far_reach = ("full_attention" in layer_types if layer_types is not None
+                 else not settings.get("sliding_window"))
     if far_reach and checks["far_context_moves_argmax"] < checks["prompts"] // 2:
         raise RuntimeError(f"tiny model: the next token ignores the prompt's first half: {checks}")
 

@@ -4,8 +4,9 @@ Protocol (hidden states are ``[1, tokens, hidden_size]``, the residual stream; p
 1-D long tensor, strictly increasing):
 
 - ``num_layers``, ``kv_heads``, ``head_dim``, ``dtype``, ``device``: the cache geometry;
-- ``rotator.rotate(keys [..., T, head_dim], deltas [T])``: move post-RoPE keys by per-token
-  position deltas (the model's own rotary angles);
+- ``rotator.rotate(keys [..., T, head_dim], deltas [T], layer)``: move one layer's post-RoPE
+  keys by per-token position deltas (that layer's own rotary angles: families differ per layer,
+  Gemma 3's window layers have another base; a layer without RoPE returns its keys);
 - ``empty_cache(capacity)``: a zero ``KVCache`` for this model;
 - ``embed(token_ids)``: the embeddings ``[1, T, hidden]``;
 - ``run_layers(cache, hidden, positions, layers=None)``: run ``layers`` (all by default) for
@@ -36,8 +37,8 @@ from semkv.realize.cache import KVCache
 
 
 class KeyRotator(Protocol):
-    def rotate(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
-        """``keys`` [..., T, head_dim] (post-RoPE) moved by ``deltas`` [T] positions."""
+    def rotate(self, keys: torch.Tensor, deltas: torch.Tensor, layer: int) -> torch.Tensor:
+        """``keys`` [..., T, head_dim] (post-RoPE) of ``layer`` moved by ``deltas`` [T]."""
         ...
 
 

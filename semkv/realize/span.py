@@ -54,7 +54,7 @@ def place_layer(cache: KVCache, layer: int, rotator: KeyRotator | None,
         raise ValueError("a shifted copy needs the model's key rotator")
     at = positions.to(cache.keys[layer].device)
     if shifted:
-        keys = rotator.rotate(keys, deltas)  # type: ignore[union-attr]
+        keys = rotator.rotate(keys, deltas, layer)  # type: ignore[union-attr]
     cache.keys[layer][0, :, at] = keys.to(cache.keys[layer].dtype)
     cache.values[layer][0, :, at] = values.to(cache.values[layer].dtype)
 

@@ -150,7 +150,7 @@ def assemble(
         deltas = target_pos - donor_pos
         moved = bool(rotate and deltas.any())
         for layer in range(lm.num_layers):
-            k = lm.rotator.rotate(keys[layer], deltas) if moved else keys[layer]
+            k = lm.rotator.rotate(keys[layer], deltas, layer) if moved else keys[layer]
             cache.keys[layer][:, :, target_pos] = k.to(cache.keys[layer].dtype)
             cache.values[layer][:, :, target_pos] = values[layer].to(cache.values[layer].dtype)
     return cache

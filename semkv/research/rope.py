@@ -101,8 +101,9 @@ class RopeRotator:
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
 
-    def rotate(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
-        """``keys`` [..., T, head_dim] (post-RoPE) moved by ``deltas`` [T] positions."""
+    def rotate(self, keys: torch.Tensor, deltas: torch.Tensor, layer: int) -> torch.Tensor:
+        """``keys`` [..., T, head_dim] (post-RoPE) moved by ``deltas`` [T] positions (every
+        layer of the families research runs shares one rotary table: ``layer`` is unused)."""
         if keys.shape[-2] != deltas.shape[0]:
             raise ValueError("one delta per token")
         if keys.shape[-1] != self.head_dim:

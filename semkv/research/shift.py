@@ -61,10 +61,10 @@ def shift_unselected(runner: LayerRunner, cache: KVCache, runs: Runs, recomputed
             keys, values = cache.keys[layer][0], cache.values[layer][0]
             dv = (values[:, at] - old_values[layer][:, cols]).mean(dim=1, keepdim=True)
             # the rotation is linear: turning the difference back is turning both back
-            dk = runner.rotator.rotate(keys[:, at] - old_keys[layer][:, cols], -at)
+            dk = runner.rotator.rotate(keys[:, at] - old_keys[layer][:, cols], -at, layer)
             dk = dk.mean(dim=1, keepdim=True).expand(-1, len(left), -1)
             values[:, to] += dv
-            keys[:, to] += runner.rotator.rotate(dk.contiguous(), to)
+            keys[:, to] += runner.rotator.rotate(dk.contiguous(), to, layer)
         moved += len(left)
     return moved
 

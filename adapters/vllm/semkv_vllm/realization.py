@@ -154,8 +154,7 @@ class SpanRealizer:
             return _unavailable("engine model not found" if model is None
                                 else "page layout unknown")
         try:
-            runner = runner_for(model)
-            runner.rotator  # noqa: B018 - refuse non-linear rotary angles now, not per request
+            runner = runner_for(model)  # refuses non-linear rotary angles now, not per request
         except UnsupportedModelError as exc:
             return _unavailable(str(exc))
         if config is not None:

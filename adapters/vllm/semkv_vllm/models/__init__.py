@@ -3,12 +3,12 @@
 Protocol:
 
 - ``runner_for(model) -> EngineLayerRunner``: the ``semkv.realize.LayerRunner`` for the engine's
-  model, chosen by its architecture (the model's class name). The Llama family of vLLM 0.32
-  (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``) shares one module layout
-  (``model.model.embed_tokens``, ``layers[i].input_layernorm`` / ``self_attn.qkv_proj`` /
-  ``rotary_emb`` / ``o_proj`` / ``post_attention_layernorm`` / ``mlp``, ``model.model.norm``,
-  ``compute_logits``) and gets ``LlamaLayerRunner``; anything else raises
-  ``UnsupportedModelError`` naming the architecture and the supported ones.
+  model, chosen by its architecture (the model's class name) in ``RUNNERS``: one small module
+  per family (``llama.py``: Llama, Mistral, Qwen2), each a ``DecoderLayerRunner`` (``base.py``:
+  the attention, windows, the per-layer rotator, the passes) saying only what its family
+  changes. Anything else raises ``UnsupportedModelError`` naming the architecture and the
+  supported ones; so does a supported architecture with a variant its runner cannot run
+  exactly (the reason named), or a rotary embedding a shift cannot move.
 - ``find_engine_model()``: called from inside the connector's ``register_kv_caches``, returns the
   engine's loaded model (unwrapped), or None when not called from there.
 
@@ -41,7 +41,8 @@ import torch
 
 from semkv.realize import LayerRunner
 from semkv.realize.memory import Geometry
-from semkv_vllm.models.llama import LlamaLayerRunner, UnsupportedModelError
+from semkv_vllm.models.base import DecoderLayerRunner, UnsupportedModelError
+from semkv_vllm.models.llama import LlamaLayerRunner
 
 
 class EngineLayerRunner(LayerRunner, Protocol):
@@ -115,6 +116,7 @@ def find_engine_model(max_depth: int = MAX_STACK_DEPTH) -> torch.nn.Module | Non
 
 __all__ = [
     "RUNNERS",
+    "DecoderLayerRunner",
     "EngineLayerRunner",
     "LlamaLayerRunner",
     "UnsupportedModelError",
