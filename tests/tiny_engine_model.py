@@ -57,11 +57,16 @@ FAMILIES: dict[str, tuple[str | None, dict[str, Any]]] = {
     # every layer windowed (vLLM: one sliding-window KV-cache group)
     "mistral-windowed": ("MistralConfig", {**_LLAMA_LIKE, "sliding_window": WINDOW}),
     "qwen2": ("Qwen2Config", {**_LLAMA_LIKE, "use_sliding_window": False}),
+    # q/k RMS norms per head before RoPE, their weights moved off transformers' ones (a runner
+    # that swapped or skipped them must not pass)
+    "qwen3": ("Qwen3Config", {**_LLAMA_LIKE, "use_sliding_window": False, "norm_noise": 0.2}),
     "gemma3": ("Gemma3TextConfig", _GEMMA3),
     "gemma3-windowed": ("Gemma3TextConfig",
                         {**_GEMMA3, "layer_types": ["sliding_attention"] * 12}),
 }
 SEED = 0
+# Settings of the build, not of the config: every norm weight w becomes w + N(0, noise^2).
+BUILD_ONLY = ("norm_noise",)
 NOISE_TO_MARGIN = 100  # the 1st-percentile margin must be this many times the float noise
 _DONE = "checks.json"
 
@@ -104,6 +109,7 @@ def _config(bundled: Path, family: str) -> Any:
 
     own = transformers.AutoConfig.from_pretrained(str(bundled))  # vocabulary, special ids
     kind, settings = FAMILIES[family]
+    settings = {k: v for k, v in settings.items() if k not in BUILD_ONLY}
     if kind is None:  # the bundled Llama's config (its rotary base too), resized
         for name, value in settings.items():
             setattr(own, name, value)
@@ -124,6 +130,7 @@ def _build(bundled: Path, target: Path, family: str) -> None:
     try:
         torch.manual_seed(SEED)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        _perturb_norms(model, FAMILIES[family][1].get("norm_noise"))
         tokenizer = AutoTokenizer.from_pretrained(str(bundled))
         checks = _measure(model, tokenizer)
         _check(checks, family)
@@ -137,6 +144,19 @@ def _build(bundled: Path, target: Path, family: str) -> None:
         torch.set_num_threads(threads)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _perturb_norms(model: Any, noise: float | None) -> None:
+    """Norm weights off their initial constant (seeded with the model): per-channel scales a
+    runner must really apply."""
+    import torch
+
+    if not noise:
+        return
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * noise)
 
 
 def _measure(model: Any, tokenizer: Any) -> dict[str, Any]:

@@ -4,11 +4,12 @@ Protocol:
 
 - ``runner_for(model) -> EngineLayerRunner``: the ``semkv.realize.LayerRunner`` for the engine's
   model, chosen by its architecture (the model's class name) in ``RUNNERS``: one small module
-  per family (``llama.py``: Llama, Mistral, Qwen2), each a ``DecoderLayerRunner`` (``base.py``:
-  the attention, windows, the per-layer rotator, the passes) saying only what its family
-  changes. Anything else raises ``UnsupportedModelError`` naming the architecture and the
-  supported ones; so does a supported architecture with a variant its runner cannot run
-  exactly (the reason named), or a rotary embedding a shift cannot move.
+  per family (``llama.py``: Llama, Mistral, Qwen2; ``qwen3.py``), each a
+  ``DecoderLayerRunner`` (``base.py``: the attention, windows, the per-layer rotator, the
+  passes) saying only what its family changes. Anything else raises ``UnsupportedModelError``
+  naming the architecture and the supported ones; so does a supported architecture with a
+  variant its runner cannot run exactly (the reason named), or a rotary embedding a shift
+  cannot move.
 - ``find_engine_model()``: called from inside the connector's ``register_kv_caches``, returns the
   engine's loaded model (unwrapped), or None when not called from there.
 
@@ -43,6 +44,7 @@ from semkv.realize import LayerRunner
 from semkv.realize.memory import Geometry
 from semkv_vllm.models.base import DecoderLayerRunner, UnsupportedModelError
 from semkv_vllm.models.llama import LlamaLayerRunner
+from semkv_vllm.models.qwen3 import Qwen3LayerRunner
 
 
 class EngineLayerRunner(LayerRunner, Protocol):
@@ -59,6 +61,7 @@ RUNNERS: dict[str, Callable[[Any], EngineLayerRunner]] = {
     "LlamaForCausalLM": LlamaLayerRunner,
     "MistralForCausalLM": LlamaLayerRunner,
     "Qwen2ForCausalLM": LlamaLayerRunner,
+    "Qwen3ForCausalLM": Qwen3LayerRunner,
 }
 MAX_STACK_DEPTH = 64
 
@@ -119,6 +122,7 @@ __all__ = [
     "DecoderLayerRunner",
     "EngineLayerRunner",
     "LlamaLayerRunner",
+    "Qwen3LayerRunner",
     "UnsupportedModelError",
     "architecture",
     "find_engine_model",

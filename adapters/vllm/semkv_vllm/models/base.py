@@ -106,7 +106,18 @@ def common_refusal(model: Any) -> str | None:
     if getattr(inner, "start_layer", 0) != 0 or getattr(inner, "end_layer", len(layers)) != len(
             layers):
         return "pipeline-parallel shard (not every layer is local)"
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or getattr(attn, "qkv_proj", None) is None:
+            return "a decoder layer without q/k/v-projected self-attention"
+        if getattr(attn, "dual_chunk_attention_config", None):
+            return "dual-chunk attention"
     return None
+
+
+def per_head(norm: Any, x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``norm`` over each ``head_dim``-wide head of ``x`` ``[tokens, heads * head_dim]``."""
+    return norm(x.reshape(*x.shape[:-1], -1, head_dim)).reshape(x.shape)
 
 
 def window_of(attn: Any) -> int | None:

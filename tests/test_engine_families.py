@@ -1,9 +1,10 @@
-"""Realized spans on the rest of vLLM's Llama family: Mistral and Qwen2, which
-``semkv_vllm.models.RUNNERS`` maps to the Llama layer runner (issue #49: no test touched them).
+"""Realized spans per architecture family beyond the bundled Llama (issue #49): Mistral and
+Qwen2 (``semkv_vllm.models.llama``), Qwen3 (``semkv_vllm.models.qwen3``: q/k norms per head).
 
 Tiny random-weight models of each architecture (tests/tiny_engine_model.py: the tiny Llama's
-geometry, transformers ``from_config``; Qwen2 has q/k/v biases), one in-process engine each,
-the configuration and the plan recorder of tests/test_engine_realization.py:
+geometry, transformers ``from_config``; Qwen2 has q/k/v biases; Qwen3's norm weights are moved
+off their initial ones), one in-process engine each, the configuration and the plan recorder of
+tests/test_engine_realization.py:
 
 - a span with every token a gap (``check_every_token_a_gap``): the realized K/V equals what
   vLLM's own prefill wrote for the same tokens (fp32, 8e-5), and the answer equals cold;
@@ -48,7 +49,8 @@ pytestmark = pytest.mark.engine
 __all__ = ["recorder"]  # the plan recorder fixture, shared with tests/test_engine_realization.py
 
 
-ARCHITECTURES = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 LOGPROB_ATOL = 1e-3
 
 
