@@ -266,13 +266,15 @@ def runner_prefill_logprob_error(llm: Any, ids: list[int], *,
     (largest absolute difference, same greedy token). ``windows=False`` runs it with every
     layer's sliding window dropped (the check that a window test can fail)."""
     import torch
+    from semkv_vllm.engine_setup import forward_context
     from semkv_vllm.models import runner_for
     from vllm import SamplingParams
 
     out = llm.generate({"prompt_token_ids": ids},
                        SamplingParams(max_tokens=1, logprobs=5, temperature=0.0),
                        use_tqdm=False)[0].outputs[0]
-    runner = runner_for(llm.apply_model(lambda model: model)[0])
+    runner = runner_for(llm.apply_model(lambda model: model)[0],
+                        forward_context(llm.llm_engine.vllm_config))
     if not windows:
         runner.windows = [None] * runner.num_layers
     _, logits = runner.full_prefill(ids, all_logits=False)

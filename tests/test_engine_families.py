@@ -1,10 +1,11 @@
 """Realized spans per architecture family beyond the bundled Llama (issue #49): Mistral and
-Qwen2 (``semkv_vllm.models.llama``), Qwen3 (``semkv_vllm.models.qwen3``: q/k norms per head).
+Qwen2 (``semkv_vllm.models.llama``), Qwen3 and Qwen3-MoE (``semkv_vllm.models.qwen3``: q/k norms
+per head; the MoE block is vLLM's fused MoE, called inside the engine's forward context).
 
 Tiny random-weight models of each architecture (tests/tiny_engine_model.py: the tiny Llama's
 geometry, transformers ``from_config``; Qwen2 has q/k/v biases; Qwen3's norm weights are moved
-off their initial ones), one in-process engine each, the configuration and the plan recorder of
-tests/test_engine_realization.py:
+off their initial ones; Qwen3-MoE: 4 experts, 2 per token, in every layer), one in-process
+engine each, the configuration and the plan recorder of tests/test_engine_realization.py:
 
 - a span with every token a gap (``check_every_token_a_gap``): the realized K/V equals what
   vLLM's own prefill wrote for the same tokens (fp32, 8e-5), and the answer equals cold;
@@ -50,7 +51,7 @@ __all__ = ["recorder"]  # the plan recorder fixture, shared with tests/test_engi
 
 
 ARCHITECTURES = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3-moe": "Qwen3MoeForCausalLM"}
 LOGPROB_ATOL = 1e-3
 
 

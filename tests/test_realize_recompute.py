@@ -122,7 +122,7 @@ def test_probe_layers_are_checked_against_the_model_at_worker_start(monkeypatch)
 
     runner = SimpleNamespace(num_layers=2, rotator=None, device=torch.device("cpu"),
                              model=SimpleNamespace(model=SimpleNamespace(layers=[])))
-    monkeypatch.setattr(semkv_vllm.models, "runner_for", lambda model: runner)
+    monkeypatch.setattr(semkv_vllm.models, "runner_for", lambda model, context=None: runner)
     layout: object = object()  # only its presence matters before the check
     ok = SpanRealizer.build(object(), layout, {}, {},  # type: ignore[arg-type]
                             SemkvConfig.load({"recompute_probe_layers": 1}))

@@ -60,6 +60,11 @@ FAMILIES: dict[str, tuple[str | None, dict[str, Any]]] = {
     # q/k RMS norms per head before RoPE, their weights moved off transformers' ones (a runner
     # that swapped or skipped them must not pass)
     "qwen3": ("Qwen3Config", {**_LLAMA_LIKE, "use_sliding_window": False, "norm_noise": 0.2}),
+    # Qwen3 with a sparse MoE block in every layer: 4 experts, 2 per token
+    "qwen3-moe": ("Qwen3MoeConfig", {**_LLAMA_LIKE, "use_sliding_window": False,
+                                     "norm_noise": 0.2, "num_experts": 4,
+                                     "num_experts_per_tok": 2, "moe_intermediate_size": 192,
+                                     "decoder_sparse_step": 1}),
     "gemma3": ("Gemma3TextConfig", _GEMMA3),
     "gemma3-windowed": ("Gemma3TextConfig",
                         {**_GEMMA3, "layer_types": ["sliding_attention"] * 12}),

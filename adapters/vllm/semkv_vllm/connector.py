@@ -55,6 +55,7 @@ from semkv_vllm.engine_setup import (
     build_shared_store,
     check_semantic_setup,
     check_store_fits_host,
+    forward_context,
     probe_layout,
     realizes_spans,
     store_geometry,
@@ -195,7 +196,7 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
                 # engine's loaded model is one frame up (semkv_vllm.models explains why).
                 built = SpanRealizer.build(
                     find_engine_model(), self._worker.layout, kv_caches, self._worker.store,
-                    self.config)
+                    self.config, forward_context(self._vllm_config))
                 self._worker.realizer = built if isinstance(built, SpanRealizer) else None
                 self._worker.realize_why = built if isinstance(built, str) else None
                 self._worker.report_realize = True

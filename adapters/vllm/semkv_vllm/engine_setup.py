@@ -7,6 +7,7 @@ raises (naming the problem) rather than start half-configured.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from semkv.config import ConfigError, SemkvConfig
@@ -153,6 +154,14 @@ def probe_layout(vllm_config: VllmConfig, kv_caches: dict[str, Any]) -> PageLayo
             log.warning("page_layout_probe_failed", error_type=type(exc).__name__)
             return None
     return None
+
+
+def forward_context(vllm_config: VllmConfig) -> Callable[[], AbstractContextManager[Any]]:
+    """The engine's forward context without attention metadata, for the layer runners: modules
+    such as vLLM's fused MoE find their layer through it (``semkv_vllm.models.base``)."""
+    from vllm.forward_context import set_forward_context
+
+    return lambda: set_forward_context(None, vllm_config)
 
 
 def build_shared_store(config: SemkvConfig, vllm_config: VllmConfig, role: KVConnectorRole,

@@ -2,12 +2,13 @@
 
 Protocol (driven by ``WorkerSide``):
 
-- ``SpanRealizer.build(model, layout, kv_caches, store)`` once, in ``register_kv_caches``: the
-  layer runner for the engine's model (``semkv_vllm.models``), the page layout probed from the
-  engine's cache-write kernel, and which paged cache belongs to which decoder layer. The reason
-  instead (logged), when the model or the layout is not supported: the scheduler is told it with
-  the worker's first step and answers such requests ``unsupported_request``. With ``config``,
-  ``recompute_probe_layers`` is checked against the model's layers there, and
+- ``SpanRealizer.build(model, layout, kv_caches, store, config, context)`` once, in
+  ``register_kv_caches``: the layer runner for the engine's model (``semkv_vllm.models``; its
+  layer passes run inside ``context``, the engine's forward context), the page layout probed
+  from the engine's cache-write kernel, and which paged cache belongs to which decoder layer.
+  The reason instead (logged), when the model or the layout is not supported: the scheduler is
+  told it with the worker's first step and answers such requests ``unsupported_request``. With
+  ``config``, ``recompute_probe_layers`` is checked against the model's layers there, and
   ``realize_memory_bytes`` against the device's free memory when the model runs on an
   accelerator (``ConfigError`` naming the key).
 - ``submit(op)`` in ``start_load_kv``: the op becomes a job. Its working set
@@ -49,7 +50,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,6 +148,7 @@ class SpanRealizer:
     @classmethod
     def build(cls, model: Any, layout: PageLayout | None, kv_caches: dict[str, torch.Tensor],
               store: dict[str, torch.Tensor], config: SemkvConfig | None = None,
+              context: Callable[[], AbstractContextManager[Any]] | None = None,
               ) -> SpanRealizer | str:
         """The engine's realizer, or why it has none (logged; reported to the scheduler)."""
         from semkv_vllm.models import UnsupportedModelError, runner_for
@@ -154,7 +157,8 @@ class SpanRealizer:
             return _unavailable("engine model not found" if model is None
                                 else "page layout unknown")
         try:
-            runner = runner_for(model)  # refuses non-linear rotary angles now, not per request
+            # refuses non-linear rotary angles now, not per request
+            runner = runner_for(model, context)
         except UnsupportedModelError as exc:
             return _unavailable(str(exc))
         if config is not None:

@@ -26,6 +26,7 @@ NEOX_STYLE: dict[str, bool] = {
     "MistralForCausalLM": True,
     "Qwen2ForCausalLM": True,
     "Qwen3ForCausalLM": True,
+    "Qwen3MoeForCausalLM": True,
     "GPTJForCausalLM": False,
 }
 

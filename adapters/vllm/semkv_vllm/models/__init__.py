@@ -4,7 +4,7 @@ Protocol:
 
 - ``runner_for(model) -> EngineLayerRunner``: the ``semkv.realize.LayerRunner`` for the engine's
   model, chosen by its architecture (the model's class name) in ``RUNNERS``: one small module
-  per family (``llama.py``: Llama, Mistral, Qwen2; ``qwen3.py``), each a
+  per family (``llama.py``: Llama, Mistral, Qwen2; ``qwen3.py``: Qwen3, Qwen3-MoE), each a
   ``DecoderLayerRunner`` (``base.py``: the attention, windows, the per-layer rotator, the
   passes) saying only what its family changes. Anything else raises ``UnsupportedModelError``
   naming the architecture and the supported ones; so does a supported architecture with a
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -57,11 +58,12 @@ class EngineLayerRunner(LayerRunner, Protocol):
     def geometry(self) -> Geometry: ...
 
 
-RUNNERS: dict[str, Callable[[Any], EngineLayerRunner]] = {
+RUNNERS: dict[str, Callable[..., EngineLayerRunner]] = {
     "LlamaForCausalLM": LlamaLayerRunner,
     "MistralForCausalLM": LlamaLayerRunner,
     "Qwen2ForCausalLM": LlamaLayerRunner,
     "Qwen3ForCausalLM": Qwen3LayerRunner,
+    "Qwen3MoeForCausalLM": Qwen3LayerRunner,  # its sparse MoE block called as the layer's MLP
 }
 MAX_STACK_DEPTH = 64
 
@@ -70,14 +72,17 @@ def architecture(model: object) -> str:
     return type(model).__name__
 
 
-def runner_for(model: object) -> EngineLayerRunner:
-    """The layer runner for the engine's loaded ``model`` (raises ``UnsupportedModelError``)."""
+def runner_for(model: object,
+               context: Callable[[], AbstractContextManager[Any]] | None = None,
+               ) -> EngineLayerRunner:
+    """The layer runner for the engine's loaded ``model`` (raises ``UnsupportedModelError``);
+    ``context``: the engine's forward context, entered around its layer passes."""
     name = architecture(model)
     make = RUNNERS.get(name)
     if make is None:
         raise UnsupportedModelError(
             f"no layer runner for architecture {name!r}; supported: {', '.join(sorted(RUNNERS))}")
-    return make(model)
+    return make(model, context)
 
 
 def _unwrap(model: Any) -> Any:

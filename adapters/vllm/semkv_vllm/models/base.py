@@ -24,6 +24,9 @@ value vLLM's kernel uses: a query sees itself and the ``window - 1`` keys before
 NOTE: nothing here imports vLLM; it only calls the modules of the model it is handed. Runs on
 whatever device the model's weights live on, under ``torch.no_grad`` (not inference mode: the
 research assembly writes into the cache outside it, which inference tensors refuse).
+NOTE: ``context`` (a constructor argument; ``engine_setup.forward_context`` in the engine) is
+entered around every layer pass: vLLM's fused MoE looks its layer up in the engine's forward
+context, which exists only inside the engine's own forward otherwise.
 NOTE: the rotator is built at construction (the worker's start-up): a rotary embedding whose
 angles cannot be moved by one rotation refuses the model there, never inside a realization.
 """
@@ -31,6 +34,7 @@ angles cannot be moved by one rotation refuses the model there, never inside a r
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -132,6 +136,19 @@ def soft_cap_of(attn: Any) -> float | None:
     return float(cap) if cap else None
 
 
+def _intermediate(mlp: Any) -> int:
+    """This rank's MLP width per token: gate and up of a dense MLP; of a sparse MoE block, its
+    experts per token times an expert's width (what its fused kernel holds per token)."""
+    gate_up = getattr(mlp, "gate_up_proj", None)
+    if gate_up is not None:
+        width = getattr(gate_up, "output_size_per_partition", None)  # this rank's gate + up
+        return int(width if width is not None else gate_up.weight.shape[0]) // 2
+    moe = getattr(getattr(mlp, "experts", None), "moe_config", None)
+    if moe is not None:
+        return int(moe.experts_per_token) * int(moe.intermediate_size)
+    raise UnsupportedModelError(f"MLP {type(mlp).__name__}: width unknown")
+
+
 def visible(keys_at: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
     """[queries, keys] True where a query at ``positions`` attends a key at ``keys_at``."""
     seen = keys_at[None, :] <= positions[:, None]
@@ -148,11 +165,13 @@ class DecoderLayerRunner:
     refusal: Callable[[Any], str | None] = staticmethod(common_refusal)
     neox = True  # the rotary pairing the family passes to vLLM's get_rope
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any,
+                 context: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
         reason = type(self).refusal(model)
         if reason is not None:
             raise UnsupportedModelError(f"{type(model).__name__}: {reason} is not supported")
         self.model = model
+        self.context = context or nullcontext
         self._layers = list(model.model.layers)
         first = self._layers[0].self_attn
         self.num_layers = len(self._layers)
@@ -174,14 +193,11 @@ class DecoderLayerRunner:
     @property
     def geometry(self) -> Geometry:
         """This rank's shape, for a realization's memory estimate (``semkv.realize.memory``)."""
-        gate_up = self._layers[0].mlp.gate_up_proj
-        width = getattr(gate_up, "output_size_per_partition", None)  # this rank's gate + up
-        if width is None:
-            width = gate_up.weight.shape[0]
         return Geometry(layers=self.num_layers, kv_heads=self.kv_heads, heads=self.num_heads,
                         head_dim=self.head_dim,
                         hidden=int(self.model.model.embed_tokens.weight.shape[1]),
-                        intermediate=int(width) // 2, dtype_bytes=self.dtype.itemsize)
+                        intermediate=max(_intermediate(layer.mlp) for layer in self._layers),
+                        dtype_bytes=self.dtype.itemsize)
 
     # -- building blocks --------------------------------------------------------------------
 
@@ -232,7 +248,7 @@ class DecoderLayerRunner:
         keys_at = torch.arange(context, device=self.device)
         masks: dict[int | None, torch.Tensor | None] = {}
         h = hidden[0]
-        with torch.no_grad():
+        with torch.no_grad(), self.context():
             for index in layers:
                 window = self.windows[index]
                 if window is not None and window >= context:
