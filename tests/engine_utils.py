@@ -260,11 +260,12 @@ def essay_prompts(count: int, *, chars: int = 2400, seed: int = 0) -> list[str]:
 
 
 def runner_prefill_logprob_error(llm: Any, ids: list[int], *,
-                                 windows: bool = True) -> tuple[float, bool]:
+                                 without: str | None = None) -> tuple[float, bool]:
     """The layer runner for the engine's own model (``semkv_vllm.models.runner_for``, in this
     process) prefills ``ids``; against the engine's own next-token top-5 log-probabilities:
-    (largest absolute difference, same greedy token). ``windows=False`` runs it with every
-    layer's sliding window dropped (the check that a window test can fail)."""
+    (largest absolute difference, same greedy token). ``without="windows"`` (or
+    ``"soft_caps"``) runs it with that per-layer setting dropped in every layer (the check that
+    a test of it can fail)."""
     import torch
     from semkv_vllm.engine_setup import forward_context
     from semkv_vllm.models import runner_for
@@ -275,8 +276,9 @@ def runner_prefill_logprob_error(llm: Any, ids: list[int], *,
                        use_tqdm=False)[0].outputs[0]
     runner = runner_for(llm.apply_model(lambda model: model)[0],
                         forward_context(llm.llm_engine.vllm_config))
-    if not windows:
-        runner.windows = [None] * runner.num_layers
+    if without is not None:
+        assert any(getattr(runner, without)), f"no layer has {without}"
+        setattr(runner, without, [None] * runner.num_layers)
     _, logits = runner.full_prefill(ids, all_logits=False)
     mine = torch.log_softmax(logits[-1], dim=-1)
     error = max(abs(float(mine[token]) - lp.logprob) for token, lp in out.logprobs[0].items())

@@ -40,6 +40,6 @@ def test_the_runner_masks_each_layer_by_its_window_as_the_engines_kernel_does(wi
     ids = long_prompt(windowed)
     error, same = runner_prefill_logprob_error(windowed, ids)
     assert error <= LOGPROB_ATOL and same, error
-    unwindowed, _ = runner_prefill_logprob_error(windowed, ids, windows=False)
+    unwindowed, _ = runner_prefill_logprob_error(windowed, ids, without="windows")
     assert unwindowed > 10 * LOGPROB_ATOL, unwindowed  # the windows matter at this length
     print(f"windowed runner vs engine: {error:.1e}; without the windows: {unwindowed:.2f}")

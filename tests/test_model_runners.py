@@ -23,9 +23,13 @@ class FakeAttention(torch.nn.Module):
 
 
 class FakeLayer(torch.nn.Module):
-    def __init__(self, **attention: bool) -> None:
+    def __init__(self, *, gemma_norms: bool = False, **attention: bool) -> None:
         super().__init__()
         self.self_attn = FakeAttention(**attention)
+        if gemma_norms:
+            for name in ("input_layernorm", "post_attention_layernorm",
+                         "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                setattr(self, name, torch.nn.LayerNorm(4))
 
 
 def fake_model(architecture: str, layers: int = 2, **attention: bool) -> torch.nn.Module:
@@ -41,6 +45,8 @@ def fake_model(architecture: str, layers: int = 2, **attention: bool) -> torch.n
     ("Qwen3ForCausalLM", {}, "attention without Qwen3's q/k norms"),
     ("Qwen3ForCausalLM", {"norms": True, "dual_chunk": True}, "dual-chunk attention"),
     ("LlamaForCausalLM", {"dual_chunk": True}, "dual-chunk attention"),
+    ("Gemma2ForCausalLM", {}, "a decoder layer without Gemma's four norms"),
+    ("Gemma3ForCausalLM", {"gemma_norms": True}, "attention without Gemma 3's q/k norms"),
 ])
 def test_a_variant_the_family_runner_cannot_run_exactly_is_refused_by_name(
         architecture, attention, reason):

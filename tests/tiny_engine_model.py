@@ -68,6 +68,13 @@ FAMILIES: dict[str, tuple[str | None, dict[str, Any]]] = {
     "gemma3": ("Gemma3TextConfig", _GEMMA3),
     "gemma3-windowed": ("Gemma3TextConfig",
                         {**_GEMMA3, "layer_types": ["sliding_attention"] * 12}),
+    # for the layer runners: Gemma's (1 + w) norms moved off zero
+    "gemma3-norms": ("Gemma3TextConfig", {**_GEMMA3, "norm_noise": 0.2}),
+    # Gemma 2: window and full layers alternating, an attention soft cap that binds (random
+    # scores reach ~10), no q/k norms
+    "gemma2": ("Gemma2Config", {**_GEMMA3, "num_hidden_layers": 6, "norm_noise": 0.2,
+                                "attn_logit_softcapping": 3.0,
+                                "final_logit_softcapping": None}),
 }
 SEED = 0
 # Settings of the build, not of the config: every norm weight w becomes w + N(0, noise^2).

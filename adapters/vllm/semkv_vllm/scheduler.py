@@ -159,15 +159,14 @@ class SchedulerSide:
 
     def workers_refusal(self) -> str | None:
         """Why the workers cannot realize spans (None: they can; so far unreported counts as
-        cannot). Shifted copies also need the model's RoPE re-rotation."""
+        cannot). A worker that can realize re-rotates with its runner's own per-layer tables
+        (built, or refused, at its start-up): ``can_shift`` is about KV edits only."""
         if self.layout_known is None or self.can_realize is None:
             return "the workers have not reported what they can do yet"
         if not self.layout_known:
             return "the attention backend's page layout is unknown"
         if not self.can_realize:
             return self.realize_why or "the workers cannot realize spans"
-        if not self.can_shift:
-            return "the model's positions cannot be moved (no rotary shift)"
         return None
 
     @property

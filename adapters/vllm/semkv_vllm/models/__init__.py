@@ -2,14 +2,14 @@
 
 Protocol:
 
-- ``runner_for(model) -> EngineLayerRunner``: the ``semkv.realize.LayerRunner`` for the engine's
-  model, chosen by its architecture (the model's class name) in ``RUNNERS``: one small module
-  per family (``llama.py``: Llama, Mistral, Qwen2; ``qwen3.py``: Qwen3, Qwen3-MoE), each a
-  ``DecoderLayerRunner`` (``base.py``: the attention, windows, the per-layer rotator, the
-  passes) saying only what its family changes. Anything else raises ``UnsupportedModelError``
-  naming the architecture and the supported ones; so does a supported architecture with a
-  variant its runner cannot run exactly (the reason named), or a rotary embedding a shift
-  cannot move.
+- ``runner_for(model, context) -> EngineLayerRunner``: the ``semkv.realize.LayerRunner`` for the
+  engine's model, chosen by its architecture (the model's class name) in ``RUNNERS``: one small
+  module per family (``llama.py``: Llama, Mistral, Qwen2; ``qwen3.py``: Qwen3, Qwen3-MoE;
+  ``gemma.py``: Gemma 2, Gemma 3), each a ``DecoderLayerRunner`` (``base.py``: the attention,
+  windows, soft caps, the per-layer rotator, the passes) saying only what its family changes.
+  Anything else raises ``UnsupportedModelError`` naming the architecture and the supported
+  ones; so does a supported architecture with a variant its runner cannot run exactly (the
+  reason named), or a rotary embedding a shift cannot move.
 - ``find_engine_model()``: called from inside the connector's ``register_kv_caches``, returns the
   engine's loaded model (unwrapped), or None when not called from there.
 
@@ -44,6 +44,7 @@ import torch
 from semkv.realize import LayerRunner
 from semkv.realize.memory import Geometry
 from semkv_vllm.models.base import DecoderLayerRunner, UnsupportedModelError
+from semkv_vllm.models.gemma import Gemma2LayerRunner, Gemma3LayerRunner
 from semkv_vllm.models.llama import LlamaLayerRunner
 from semkv_vllm.models.qwen3 import Qwen3LayerRunner
 
@@ -64,6 +65,8 @@ RUNNERS: dict[str, Callable[..., EngineLayerRunner]] = {
     "Qwen2ForCausalLM": LlamaLayerRunner,
     "Qwen3ForCausalLM": Qwen3LayerRunner,
     "Qwen3MoeForCausalLM": Qwen3LayerRunner,  # its sparse MoE block called as the layer's MLP
+    "Gemma2ForCausalLM": Gemma2LayerRunner,
+    "Gemma3ForCausalLM": Gemma3LayerRunner,
 }
 MAX_STACK_DEPTH = 64
 
@@ -125,6 +128,8 @@ def find_engine_model(max_depth: int = MAX_STACK_DEPTH) -> torch.nn.Module | Non
 __all__ = [
     "RUNNERS",
     "DecoderLayerRunner",
+    "Gemma2LayerRunner",
+    "Gemma3LayerRunner",
     "EngineLayerRunner",
     "LlamaLayerRunner",
     "Qwen3LayerRunner",

@@ -12,9 +12,10 @@ last query. Positions not computed keep what the cache holds: reused, re-rotated
 
 A family module (``llama.py``, ...) subclasses ``DecoderLayerRunner`` and says only what
 differs: ``refusal`` (what of the family it cannot run exactly), ``_block`` (the residual
-structure around attention and MLP; the Llama pre-norm one by default), ``_qk`` (what happens to
-q and k between the projection and RoPE; nothing by default), ``_embed`` (the embedding; the
-plain lookup by default). Attention uses ``torch.nn.functional.scaled_dot_product_attention``
+structure around attention and MLP; the Llama pre-norm one by default), ``qk_norms`` (an RMSNorm
+over each head of q and k between the projection and RoPE, ``self_attn.q_norm`` / ``k_norm``;
+off by default). The embedding is the model's own ``embed_input_ids`` (Gemma's scaling
+included). Attention uses ``torch.nn.functional.scaled_dot_product_attention``
 (``[1, heads, tokens, head_dim]`` and ``enable_gqa=True``, which keeps torch on its flash kernel
 on CPU; ``scale=self_attn.scaling``): vLLM's paged ``self_attn.attn`` needs the engine's forward
 context and attends over the whole prefix, while here the queries may be any subset of the
@@ -164,6 +165,7 @@ class DecoderLayerRunner:
 
     refusal: Callable[[Any], str | None] = staticmethod(common_refusal)
     neox = True  # the rotary pairing the family passes to vLLM's get_rope
+    qk_norms = False  # q and k normed per head before RoPE (Qwen3, Gemma 3)
 
     def __init__(self, model: Any,
                  context: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
@@ -211,7 +213,9 @@ class DecoderLayerRunner:
             return self._embed(ids)[None]
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.model.embed_tokens(ids)
+        inner = self.model.model
+        embed = getattr(inner, "embed_input_ids", None)  # the engine's own (scaled: Gemma)
+        return embed(ids) if callable(embed) else inner.embed_tokens(ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits ``[tokens, vocab]`` (fp32) from last-layer hidden states."""
@@ -279,7 +283,9 @@ class DecoderLayerRunner:
     def _qk(self, attn: Any, q: torch.Tensor, k: torch.Tensor,
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[tokens, q_size]`` and k ``[tokens, kv_size]`` between projection and RoPE."""
-        return q, k
+        if not self.qk_norms:
+            return q, k
+        return per_head(attn.q_norm, q, self.head_dim), per_head(attn.k_norm, k, self.head_dim)
 
     def _attend(self, index: int, cache: KVCache, x: torch.Tensor, positions: torch.Tensor,
                 context: int, mask: torch.Tensor | None,

@@ -1,7 +1,9 @@
 """``Qwen3LayerRunner``: vLLM 0.32's ``Qwen3ForCausalLM``, the Llama layout with one change: an
 RMSNorm over each head of q and of k (``self_attn.q_norm`` / ``k_norm``, ``head_dim`` wide)
-between the projection and RoPE, as ``Qwen3Attention.forward`` applies them. The rest (windows
-where a layer has one, the residual structure, the passes) is ``DecoderLayerRunner``'s.
+between the projection and RoPE, as ``Qwen3Attention.forward`` applies them
+(``DecoderLayerRunner.qk_norms``). The rest (windows where a layer has one, the residual
+structure, the passes) is ``DecoderLayerRunner``'s. Qwen3-MoE has the same layers with vLLM's
+fused MoE as the MLP, called inside the engine's forward context (``base.py``).
 
 Refused at construction: a layer without both norms (not Qwen3's attention), dual-chunk
 attention (``common_refusal``).
@@ -13,9 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from semkv_vllm.models.base import DecoderLayerRunner, common_refusal, per_head
+from semkv_vllm.models.base import DecoderLayerRunner, common_refusal
 
 
 def qwen3_refusal(model: Any) -> str | None:
@@ -34,7 +34,4 @@ class Qwen3LayerRunner(DecoderLayerRunner):
     """The engine's loaded Qwen3 model run layer by layer over an explicit ``KVCache``."""
 
     refusal = staticmethod(qwen3_refusal)
-
-    def _qk(self, attn: Any, q: torch.Tensor, k: torch.Tensor,
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        return per_head(attn.q_norm, q, self.head_dim), per_head(attn.k_norm, k, self.head_dim)
+    qk_norms = True
