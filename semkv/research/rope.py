@@ -5,7 +5,9 @@ config (``rope_parameters``: theta, rope type and scaling; ``head_dim``), comput
 frequencies with transformers' own initialiser for that rope type, and then checks them against
 the model's own rotary embedding (``model.model.rotary_emb``): its ``inv_freq`` buffer and the
 cos/sin it returns for sample positions. ``rotate(keys, deltas)`` moves keys computed at donor
-position q to target position p = q + delta.
+position q to target position p = q + delta. ``LayerRotator.from_model(model)`` is the
+runner's ``KeyRotator``: one ``RopeRotator`` per layer, per layer type where the config keeps
+rotary parameters per type (Gemma 3).
 
 Why one extra rotation is exact: RoPE rotates each channel pair by ``position * inv_freq``, and
 rotations of the same plane compose, so R(p) = R(p - q) R(q). The model may scale cos and sin by
@@ -36,22 +38,37 @@ class UnsupportedRope(ValueError):
     """The model's rotary embedding cannot be moved by a single extra rotation."""
 
 
-def _rope_type(config: Any) -> str:
+def layer_rope_types(config: Any) -> list[str] | None:
+    """Each layer's rotary parameters' key where the config keeps one set per layer type
+    (Gemma 3: ``rope_parameters[layer_types[i]]``), else None (one set for every layer)."""
     params = getattr(config, "rope_parameters", None) or {}
+    types = getattr(config, "layer_types", None)
+    if types is None or not all(isinstance(params.get(t), dict) for t in set(types)):
+        return None
+    return list(types)
+
+
+def _rope_type(config: Any, layer_type: str | None = None) -> str:
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     return str(params.get("rope_type", "default"))
 
 
-def _inv_freq_from_config(config: Any, rotary_cls: Any) -> torch.Tensor:
-    """Inverse frequencies exactly as transformers derives them from this config."""
+def _inv_freq_from_config(config: Any, rotary_cls: Any,
+                          layer_type: str | None = None) -> torch.Tensor:
+    """Inverse frequencies exactly as transformers derives them from this config (for one
+    layer type where the config keeps several)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope_type = _rope_type(config)
+    rope_type = _rope_type(config, layer_type)
     if rope_type not in LINEAR_ROPE_TYPES:
         raise UnsupportedRope(f"rope type {rope_type!r}: angles are not linear in the position")
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
     if rope_type == "default":
-        inv_freq, _ = rotary_cls.compute_default_rope_parameters(config)
+        inv_freq, _ = rotary_cls.compute_default_rope_parameters(config, **kwargs)
     else:
-        inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config)
+        inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, **kwargs)
     return torch.as_tensor(inv_freq, dtype=torch.float32).detach().cpu()
 
 
@@ -67,26 +84,29 @@ class RopeRotator:
         return 2 * int(self.inv_freq.shape[0])
 
     @classmethod
-    def from_model(cls, model: Any) -> RopeRotator:
-        """The rotator for a transformers causal LM, verified against its rotary embedding."""
+    def from_model(cls, model: Any, layer_type: str | None = None) -> RopeRotator:
+        """The rotator for a transformers causal LM (for the layers of ``layer_type`` where the
+        config keeps one rotary per layer type), verified against its rotary embedding."""
         config = model.config
         rotary = model.model.rotary_emb
         head_dim = int(getattr(config, "head_dim", None)
                        or config.hidden_size // config.num_attention_heads)
-        rotator = cls(_inv_freq_from_config(config, type(rotary)), head_dim)
-        rotator.check_against(rotary)
+        rotator = cls(_inv_freq_from_config(config, type(rotary), layer_type), head_dim)
+        rotator.check_against(rotary, layer_type)
         return rotator
 
-    def check_against(self, rotary: Any) -> None:
+    def check_against(self, rotary: Any, layer_type: str | None = None) -> None:
         """Raise UnsupportedRope unless the model's rotary embedding uses these angles."""
-        own = rotary.inv_freq.detach().to("cpu", torch.float32)
+        prefix = "" if layer_type is None else f"{layer_type}_"
+        own = getattr(rotary, f"{prefix}inv_freq").detach().to("cpu", torch.float32)
         if own.shape != self.inv_freq.shape or not torch.allclose(own, self.inv_freq, rtol=1e-6):
             raise UnsupportedRope("config-derived inverse frequencies differ from the model's")
         if self.rotary_dim != self.head_dim:
             raise UnsupportedRope("partial rotary embeddings are not supported")
         positions = torch.tensor([CHECK_POSITIONS], dtype=torch.long)
         probe = torch.zeros(1, dtype=torch.float32)
-        cos, sin = rotary(probe, positions)  # [1, P, head_dim], scaled by attention_scaling
+        extra = () if layer_type is None else (layer_type,)
+        cos, sin = rotary(probe, positions, *extra)  # [1, P, head_dim], x attention_scaling
         cos, sin = cos[0].to(torch.float32), sin[0].to(torch.float32)
         scale = torch.sqrt(cos * cos + sin * sin)
         want_cos, want_sin = self._cos_sin(positions[0])
@@ -101,9 +121,9 @@ class RopeRotator:
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
 
-    def rotate(self, keys: torch.Tensor, deltas: torch.Tensor, layer: int) -> torch.Tensor:
-        """``keys`` [..., T, head_dim] (post-RoPE) moved by ``deltas`` [T] positions (every
-        layer of the families research runs shares one rotary table: ``layer`` is unused)."""
+    def rotate(self, keys: torch.Tensor, deltas: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """``keys`` [..., T, head_dim] (post-RoPE) moved by ``deltas`` [T] positions (one table:
+        ``layer`` is unused; ``LayerRotator`` picks a table per layer)."""
         if keys.shape[-2] != deltas.shape[0]:
             raise ValueError("one delta per token")
         if keys.shape[-1] != self.head_dim:
@@ -114,3 +134,22 @@ class RopeRotator:
         half = self.head_dim // 2
         rotated_half = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
         return (k * cos + rotated_half * sin).to(keys.dtype)
+
+
+@dataclass(frozen=True)
+class LayerRotator:
+    """``semkv.realize.KeyRotator`` of a transformers causal LM: each layer's own table (one for
+    every layer, or one per layer type: Gemma 3's window layers turn at another base)."""
+
+    layers: tuple[RopeRotator, ...]
+
+    @classmethod
+    def from_model(cls, model: Any) -> LayerRotator:
+        types = layer_rope_types(model.config)
+        if types is None:
+            return cls((RopeRotator.from_model(model),) * int(model.config.num_hidden_layers))
+        by_type = {t: RopeRotator.from_model(model, t) for t in sorted(set(types))}
+        return cls(tuple(by_type[t] for t in types))
+
+    def rotate(self, keys: torch.Tensor, deltas: torch.Tensor, layer: int) -> torch.Tensor:
+        return self.layers[layer].rotate(keys, deltas)

@@ -11,16 +11,16 @@ last query. Positions not computed keep what the cache holds: reused, re-rotated
 ``hidden`` is the residual stream ``[1, tokens, hidden]``.
 
 A family module (``llama.py``, ...) subclasses ``DecoderLayerRunner`` and says only what
-differs: ``refusal`` (what of the family it cannot run exactly), ``_block`` (the residual
-structure around attention and MLP; the Llama pre-norm one by default), ``qk_norms`` (an RMSNorm
-over each head of q and k between the projection and RoPE, ``self_attn.q_norm`` / ``k_norm``;
-off by default). The embedding is the model's own ``embed_input_ids`` (Gemma's scaling
-included). Attention uses ``torch.nn.functional.scaled_dot_product_attention``
-(``[1, heads, tokens, head_dim]`` and ``enable_gqa=True``, which keeps torch on its flash kernel
-on CPU; ``scale=self_attn.scaling``): vLLM's paged ``self_attn.attn`` needs the engine's forward
-context and attends over the whole prefix, while here the queries may be any subset of the
-positions. Each layer's window is read from its paged attention (``attn.sliding_window``, the
-value vLLM's kernel uses: a query sees itself and the ``window - 1`` keys before it).
+differs: ``refusal`` (what of the family it cannot run exactly) and ``family``
+(``semkv.realize.family``: q/k norms, Gemma's four norms; the description research's runner
+reads too). The embedding is the model's own ``embed_input_ids`` (Gemma's scaling included).
+Attention uses ``torch.nn.functional.scaled_dot_product_attention`` (``[1, heads, tokens,
+head_dim]`` and ``enable_gqa=True``, which keeps torch on its flash kernel on CPU;
+``scale=self_attn.scaling``; a soft-capped layer computes its weights itself): vLLM's paged
+``self_attn.attn`` needs the engine's forward context and attends over the whole prefix, while
+here the queries may be any subset of the positions. Each layer's window is read from its paged
+attention (``attn.sliding_window``, the value vLLM's kernel uses: a query sees itself and the
+``window - 1`` keys before it).
 
 NOTE: nothing here imports vLLM; it only calls the modules of the model it is handed. Runs on
 whatever device the model's weights live on, under ``torch.no_grad`` (not inference mode: the
@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from semkv.realize import KVCache
+from semkv.realize.family import LLAMA, Family, block, per_head, soft_cap, visible
 from semkv.realize.memory import Geometry
 from semkv.realize.runner import check_positions
 from semkv_vllm.rope import RopeShift
@@ -120,11 +121,6 @@ def common_refusal(model: Any) -> str | None:
     return None
 
 
-def per_head(norm: Any, x: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """``norm`` over each ``head_dim``-wide head of ``x`` ``[tokens, heads * head_dim]``."""
-    return norm(x.reshape(*x.shape[:-1], -1, head_dim)).reshape(x.shape)
-
-
 def window_of(attn: Any) -> int | None:
     """The sliding window vLLM's kernel applies in this layer (None: full attention)."""
     window = getattr(getattr(attn, "attn", None), "sliding_window", None)
@@ -150,14 +146,6 @@ def _intermediate(mlp: Any) -> int:
     raise UnsupportedModelError(f"MLP {type(mlp).__name__}: width unknown")
 
 
-def visible(keys_at: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
-    """[queries, keys] True where a query at ``positions`` attends a key at ``keys_at``."""
-    seen = keys_at[None, :] <= positions[:, None]
-    if window is not None:
-        seen &= keys_at[None, :] > positions[:, None] - window
-    return seen
-
-
 class DecoderLayerRunner:
     """The engine's loaded decoder-only model run layer by layer over an explicit ``KVCache``.
 
@@ -165,7 +153,7 @@ class DecoderLayerRunner:
 
     refusal: Callable[[Any], str | None] = staticmethod(common_refusal)
     neox = True  # the rotary pairing the family passes to vLLM's get_rope
-    qk_norms = False  # q and k normed per head before RoPE (Qwen3, Gemma 3)
+    family: Family = LLAMA  # what its layers compute around the attention
 
     def __init__(self, model: Any,
                  context: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
@@ -269,23 +257,7 @@ class DecoderLayerRunner:
         def attend(x: torch.Tensor) -> torch.Tensor:
             return self._attend(index, cache, x, positions, context, mask, attention)
 
-        return self._block(self._layers[index], h, attend)
-
-    def _block(self, layer: Any, h: torch.Tensor,
-               attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """The residual structure around attention and MLP (Llama's pre-norm one)."""
-        # The unfused RMSNorm form: vLLM's fused (x, residual) kernel updates its inputs in
-        # place, and ``h`` may be the caller's tensor. The residual adds below are the same
-        # single fp32 additions the fused kernel makes.
-        h = h + attend(layer.input_layernorm(h))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
-
-    def _qk(self, attn: Any, q: torch.Tensor, k: torch.Tensor,
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q ``[tokens, q_size]`` and k ``[tokens, kv_size]`` between projection and RoPE."""
-        if not self.qk_norms:
-            return q, k
-        return per_head(attn.q_norm, q, self.head_dim), per_head(attn.k_norm, k, self.head_dim)
+        return block(self.family, self._layers[index], h, attend)
 
     def _attend(self, index: int, cache: KVCache, x: torch.Tensor, positions: torch.Tensor,
                 context: int, mask: torch.Tensor | None,
@@ -295,7 +267,8 @@ class DecoderLayerRunner:
         tokens = x.shape[0]
         qkv, _ = attn.qkv_proj(x)
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q, k = self._qk(attn, q, k)
+        if self.family.qk_norms:
+            q, k = per_head(attn.q_norm, q, self.head_dim), per_head(attn.k_norm, k, self.head_dim)
         rotary = getattr(attn, "rotary_emb", None)
         if rotary is not None:
             q, k = rotary(positions, q, k)  # the engine's own RoPE (in place on CPU)
@@ -333,8 +306,7 @@ class DecoderLayerRunner:
         groups = self.num_heads // self.kv_heads
         k = keys[0].to(torch.float32).repeat_interleave(groups, dim=0)  # [heads, ctx, D]
         scores = torch.matmul(q[0].to(torch.float32), k.transpose(1, 2)) * scale
-        if cap is not None:
-            scores = torch.tanh(scores / cap) * cap
+        scores = soft_cap(scores, cap)
         seen = mask if mask is not None else visible(
             torch.arange(k.shape[1], device=q.device), positions, None)
         scores = scores.masked_fill(~seen[None], float("-inf"))

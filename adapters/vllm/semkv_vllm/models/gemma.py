@@ -4,14 +4,15 @@
 What differs from the Llama layout, as ``Gemma2DecoderLayer`` / ``Gemma3DecoderLayer`` compute it:
 - four norms per layer (GemmaRMSNorm, ``1 + w``): the attention output is normed
   (``post_attention_layernorm``) before it joins the residual, the MLP's input
-  (``pre_feedforward_layernorm``) and output (``post_feedforward_layernorm``) likewise;
+  (``pre_feedforward_layernorm``) and output (``post_feedforward_layernorm``) likewise
+  (``semkv.realize.family``'s ``sandwich_norms``);
 - the embedding scaled by ``sqrt(hidden_size)``: the engine's own ``embed_input_ids``
   (``DecoderLayerRunner``'s embedding);
 - interleaved sliding-window and full layers, each with its own rotary embedding (Gemma 3's
   window layers turn at another base than its full layers): each layer's own window mask and
   rotary table (``base.py``);
 - Gemma 2's attention logits soft cap (``tanh(s / cap) * cap``, ``base.py``); Gemma 3 has none;
-- Gemma 3's q/k norms per head before RoPE (``DecoderLayerRunner.qk_norms``).
+- Gemma 3's q/k norms per head before RoPE (``qk_norms``).
 
 Refused at construction: layers without the four norms, a Gemma 3 layer without q/k norms, and
 what ``common_refusal`` refuses.
@@ -21,11 +22,9 @@ NOTE: nothing here imports vLLM; it only calls the modules of the model it is ha
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-import torch
-
+from semkv.realize.family import GEMMA2, GEMMA3
 from semkv_vllm.models.base import DecoderLayerRunner, common_refusal
 
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -59,17 +58,11 @@ class Gemma2LayerRunner(DecoderLayerRunner):
     """The engine's loaded Gemma 2 model run layer by layer over an explicit ``KVCache``."""
 
     refusal = staticmethod(gemma2_refusal)
-
-    def _block(self, layer: Any, h: torch.Tensor,
-               attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        # The unfused norms, as in the Llama block: the fused (x, residual) form updates its
-        # inputs in place. The additions are the fused kernel's residual additions.
-        h = h + layer.post_attention_layernorm(attend(layer.input_layernorm(h)))
-        return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+    family = GEMMA2
 
 
-class Gemma3LayerRunner(Gemma2LayerRunner):
+class Gemma3LayerRunner(DecoderLayerRunner):
     """Gemma 2's layers with q/k norms per head (and no soft cap, which vLLM never sets)."""
 
     refusal = staticmethod(gemma3_refusal)
-    qk_norms = True
+    family = GEMMA3

@@ -1,7 +1,7 @@
 """``Qwen3LayerRunner``: vLLM 0.32's ``Qwen3ForCausalLM``, the Llama layout with one change: an
 RMSNorm over each head of q and of k (``self_attn.q_norm`` / ``k_norm``, ``head_dim`` wide)
 between the projection and RoPE, as ``Qwen3Attention.forward`` applies them
-(``DecoderLayerRunner.qk_norms``). The rest (windows where a layer has one, the residual
+(``semkv.realize.family.QWEN3``). The rest (windows where a layer has one, the residual
 structure, the passes) is ``DecoderLayerRunner``'s. Qwen3-MoE has the same layers with vLLM's
 fused MoE as the MLP, called inside the engine's forward context (``base.py``).
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from semkv.realize.family import QWEN3
 from semkv_vllm.models.base import DecoderLayerRunner, common_refusal
 
 
@@ -34,4 +35,4 @@ class Qwen3LayerRunner(DecoderLayerRunner):
     """The engine's loaded Qwen3 model run layer by layer over an explicit ``KVCache``."""
 
     refusal = staticmethod(qwen3_refusal)
-    qk_norms = True
+    family = QWEN3
