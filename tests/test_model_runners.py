@@ -45,7 +45,8 @@ def fake_model(architecture: str, layers: int = 2, **attention: bool) -> torch.n
     ("Qwen3ForCausalLM", {}, "attention without Qwen3's q/k norms"),
     ("Qwen3ForCausalLM", {"norms": True, "dual_chunk": True}, "dual-chunk attention"),
     ("LlamaForCausalLM", {"dual_chunk": True}, "dual-chunk attention"),
-    ("Gemma2ForCausalLM", {}, "a decoder layer without Gemma's four norms"),
+    ("Gemma2ForCausalLM", {}, "a decoder layer without Gemma 2's four norms"),
+    ("Gemma2ForCausalLM", {"gemma_norms": True, "norms": True}, "per-head q/k norms"),
     ("Gemma3ForCausalLM", {"gemma_norms": True}, "attention without Gemma 3's q/k norms"),
 ])
 def test_a_variant_the_family_runner_cannot_run_exactly_is_refused_by_name(

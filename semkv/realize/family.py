@@ -40,10 +40,12 @@ class Family:
     sandwich_norms: bool = False
 
 
-LLAMA = Family("llama")
-QWEN3 = Family("qwen3", qk_norms=True)
-GEMMA2 = Family("gemma2", sandwich_norms=True)
-GEMMA3 = Family("gemma3", qk_norms=True, sandwich_norms=True)
+LLAMA = Family("Llama")
+QWEN3 = Family("Qwen3", qk_norms=True)
+GEMMA2 = Family("Gemma 2", sandwich_norms=True)
+GEMMA3 = Family("Gemma 3", qk_norms=True, sandwich_norms=True)
+SANDWICH_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm")
 
 MODEL_TYPES: dict[str, Family] = {
     "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA,

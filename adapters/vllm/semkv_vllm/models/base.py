@@ -42,7 +42,15 @@ import torch
 import torch.nn.functional as F
 
 from semkv.realize import KVCache
-from semkv.realize.family import LLAMA, Family, block, per_head, soft_cap, visible
+from semkv.realize.family import (
+    LLAMA,
+    SANDWICH_NORMS,
+    Family,
+    block,
+    per_head,
+    soft_cap,
+    visible,
+)
 from semkv.realize.memory import Geometry
 from semkv.realize.runner import check_positions
 from semkv_vllm.rope import RopeShift
@@ -121,6 +129,22 @@ def common_refusal(model: Any) -> str | None:
     return None
 
 
+def family_refusal(model: Any, family: Family) -> str | None:
+    """Why this model's layers are not what ``family`` computes (None when they are): its q/k
+    norms present exactly where the family has them, Gemma's four norms where it has them."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        norms = getattr(attn, "q_norm", None) is not None and getattr(
+            attn, "k_norm", None) is not None
+        if family.qk_norms and not norms:
+            return f"attention without {family.name}'s q/k norms"
+        if not family.qk_norms and (norms or getattr(attn, "qk_norm", False)):
+            return "per-head q/k norms"
+        if family.sandwich_norms and any(getattr(layer, n, None) is None for n in SANDWICH_NORMS):
+            return f"a decoder layer without {family.name}'s four norms"
+    return None
+
+
 def window_of(attn: Any) -> int | None:
     """The sliding window vLLM's kernel applies in this layer (None: full attention)."""
     window = getattr(getattr(attn, "attn", None), "sliding_window", None)
@@ -149,15 +173,17 @@ def _intermediate(mlp: Any) -> int:
 class DecoderLayerRunner:
     """The engine's loaded decoder-only model run layer by layer over an explicit ``KVCache``.
 
-    Subclasses (one per family) set ``refusal`` and override the hooks that differ."""
+    Subclasses (one per family) set ``family`` and, for what else the family may hold that
+    the runner cannot run, ``refusal``."""
 
-    refusal: Callable[[Any], str | None] = staticmethod(common_refusal)
+    refusal: Callable[[Any], str | None] = staticmethod(lambda model: None)
     neox = True  # the rotary pairing the family passes to vLLM's get_rope
     family: Family = LLAMA  # what its layers compute around the attention
 
     def __init__(self, model: Any,
                  context: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
-        reason = type(self).refusal(model)
+        reason = (common_refusal(model) or family_refusal(model, self.family)
+                  or type(self).refusal(model))
         if reason is not None:
             raise UnsupportedModelError(f"{type(model).__name__}: {reason} is not supported")
         self.model = model

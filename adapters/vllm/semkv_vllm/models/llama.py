@@ -19,23 +19,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from semkv_vllm.models.base import (
-    DecoderLayerRunner,
-    ShiftRotator,
-    UnsupportedModelError,
-    common_refusal,
-)
+from semkv_vllm.models.base import DecoderLayerRunner, ShiftRotator, UnsupportedModelError
 
 
 def llama_refusal(model: Any) -> str | None:
-    """Why this model's layers are not the Llama family's (None when they are)."""
-    reason = common_refusal(model)
-    if reason is not None:
-        return reason
+    """What a Llama-family model may hold beyond the family's layers (None when nothing); q/k
+    norms and what every family refuses are ``base.py``'s."""
     for layer in model.model.layers:
         attn = layer.self_attn
-        if getattr(attn, "qk_norm", False) or hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
-            return "per-head q/k norms"
         if getattr(attn, "do_llama_4_scaling", False):
             return "Llama-4 attention scaling by position"
         if getattr(layer, "ada_rms_norm_t_cond", None) is not None:
