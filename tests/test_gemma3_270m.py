@@ -10,7 +10,11 @@ attention, vLLM's hybrid KV-cache manager left on.
 - the README's mode (materialize_semantic, MinHash, the commit-policy scheduler) on it: a
   stored 1,024-token prefix (two windows) of a 2,048-token prompt is served by the exact tier,
   output equal to vLLM's own prefix hit; a prefix that ends inside a longer earlier prompt,
-  which vLLM's own cache dropped from its window groups, is served too, output equal to cold.
+  which vLLM's own cache dropped from its window groups, is served too, output equal to cold;
+- the Gemma layer runner (``semkv_vllm.models.gemma``) on the real weights: its prefill of a
+  1,400-token prompt (its windows crossed) gives the engine's next-token log-probabilities,
+  and without the windows it does not (realized spans on this engine wait for issue #50: six
+  KV-cache groups).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from tests.engine_utils import (  # noqa: E402
     engine,
     generate_ids,
     output_tokens,
+    runner_prefill_logprob_error,
     semkv_summary,
     token_texts,
 )
@@ -112,3 +117,13 @@ def test_a_prefix_inside_a_longer_prompt_is_served(llm: Any) -> None:
     assert (s["provenance"], s["tier"]) == ("exact_external_kv_hit", "exact"), s
     assert s["external_tokens"] == s["confirmed_loaded_tokens"] == PREFIX, s
     assert output_tokens(out) == output_tokens(cold)
+
+
+def test_the_gemma_runner_on_the_real_weights_gives_the_engines_logprobs(llm: Any) -> None:
+    bos = llm.get_tokenizer().bos_token_id
+    ids = [bos, *token_texts(llm, 500, 1400)[0]]
+    error, same = runner_prefill_logprob_error(llm, ids)
+    dropped, _ = runner_prefill_logprob_error(llm, ids, without="windows")
+    print(f"Gemma 3 270M runner vs engine: {error:.1e}; without its windows: {dropped:.2f}")
+    assert error <= 1e-3 and same, error
+    assert dropped > 1e-2, dropped  # the 512-token windows matter at this length

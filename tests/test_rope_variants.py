@@ -10,7 +10,10 @@ the layer runners move (issue #49): the rotary embeddings are vLLM's own (``get_
   layer without RoPE: each layer moves by its own table, the layer without RoPE not at all, and
   one layer's table applied to the other's keys is wrong;
 - a rotary embedding without a cos/sin table (LongRoPE's two tables, switched by length) is
-  refused at construction, with its class named, never inside a realization.
+  refused at construction, with its class named, never inside a realization; a table whose
+  angles are not linear in the position is refused, while a long linear fp32 table (32,768
+  positions at base 1,000,000, Gemma 3's; its angles carry fp32 rounding up to 2e-3 rad) is
+  not.
 """
 
 from __future__ import annotations
@@ -111,3 +114,20 @@ def test_a_rotary_without_a_cos_sin_table_is_refused_by_name(rope):
     assert getattr(longrope, "cos_sin_cache", None) is None
     with pytest.raises(UnsupportedModelError, match=type(longrope).__name__):
         ShiftRotator.of_layers([longrope], neox=True)
+
+
+def test_angles_not_linear_in_the_position_are_refused_and_long_fp32_tables_are_not(rope):
+    from semkv_vllm.rope import RopeShift
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    gemma3_full = get_rope(HEAD, max_position=32768, is_neox_style=True, dtype=torch.float32,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    assert RopeShift.from_rotary(gemma3_full, True) is not None
+    positions = torch.arange(MAX_POSITION, dtype=torch.float64)[:, None]
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, HEAD, 2, dtype=torch.float64) / HEAD)
+    angles = positions**1.1 * inv_freq  # grows faster than the position: not one rotation
+    bent = type("BentRotary", (), {"rotary_dim": HEAD, "cos_sin_cache": torch.cat(
+        (angles.cos(), angles.sin()), dim=-1).to(torch.float32)})()
+    assert RopeShift.from_rotary(bent, True) is None
+    with pytest.raises(UnsupportedModelError, match="BentRotary: angles are not linear"):
+        ShiftRotator.of_layers([bent], neox=True)
