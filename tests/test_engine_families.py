@@ -1,6 +1,8 @@
 """Realized spans per architecture family beyond the bundled Llama (issue #49): Mistral and
 Qwen2 (``semkv_vllm.models.llama``), Qwen3 and Qwen3-MoE (``semkv_vllm.models.qwen3``: q/k norms
-per head; the MoE block is vLLM's fused MoE, called inside the engine's forward context).
+per head; the MoE block is vLLM's fused MoE, called inside the engine's forward context), Gemma 2
+and Gemma 3 (``semkv_vllm.models.gemma``), and Gemma 3 270M itself (real weights; with vLLM's
+hybrid manager off, as the tiny Gemmas).
 
 Tiny random-weight models of each architecture (tests/tiny_engine_model.py: the tiny Llama's
 geometry, transformers ``from_config``; Qwen2 has q/k/v biases; Qwen3's norm weights are moved
@@ -23,6 +25,7 @@ engines alive in one process share vLLM's global KV connector).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -56,12 +59,21 @@ __all__ = ["recorder"]  # the plan recorder fixture, shared with tests/test_engi
 
 ARCHITECTURES = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3-moe": "Qwen3MoeForCausalLM",
-                 "gemma3-norms": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+                 "gemma3-norms": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3-270m": "Gemma3ForCausalLM"}
 # Gemma's window and full layers make several KV-cache groups, where realized spans wait for
 # issue #50; with vLLM's hybrid manager off every layer's blocks are one group (the kernel
 # still applies each layer's window), which realizes spans today.
 ONE_GROUP = {"disable_hybrid_kv_cache_manager": True}
-OVERRIDES: dict[str, dict[str, Any]] = {"gemma3-norms": ONE_GROUP, "gemma2": ONE_GROUP}
+OVERRIDES: dict[str, dict[str, Any]] = {"gemma3-norms": ONE_GROUP, "gemma2": ONE_GROUP,
+                                        "gemma3-270m": ONE_GROUP}
+
+
+def model_dir(family: str) -> Path:
+    """The tiny model of ``family``, or Gemma 3 270M (semkv.bundled_model) by its name."""
+    from semkv.bundled_model import MODELS, ensure_model
+
+    return ensure_model(family) if family in MODELS else tiny_model_dir(family)
 LOGPROB_ATOL = 1e-3
 
 
@@ -74,7 +86,7 @@ def family(request: pytest.FixtureRequest) -> str:
 def llm(family: str, recorder: Any) -> Iterator[Any]:
     with in_process(), engine(
             EXTRA, scheduler_cls="semkv_vllm.commit_policy.CommitPolicyScheduler",
-            model=str(tiny_model_dir(family)), **OVERRIDES.get(family, {})) as e:
+            model=str(model_dir(family)), **OVERRIDES.get(family, {})) as e:
         # the engine's own model class: the runner semkv_vllm.models.RUNNERS maps it to
         assert type(e.apply_model(lambda m: m)[0]).__name__ == ARCHITECTURES[family]
         yield e
@@ -125,7 +137,7 @@ def test_engine_and_research_recompute_the_same_tokens(llm, recorder, family):
                                                                  fraction=0.15))
     plan, ids = out["plan"], list(out["warm"].prompt_token_ids)
     assert plan.shifted_tokens > 0, plan.summary()
-    with layerwise_model(tiny_model_dir(family)) as lm:
+    with layerwise_model(model_dir(family)) as lm:
         theirs = research_selection(lm, out, Strategy.blend(0.15))
     mine = list(out["realized"].recomputed)
     print(f"\n{family}: engine recomputed {len(mine)} of {plan.copied_tokens} copied tokens, "
