@@ -74,3 +74,19 @@ def test_an_architecture_without_a_runner_is_refused_naming_the_supported_ones(a
     with pytest.raises(UnsupportedModelError, match=f"no layer runner for architecture "
                                                     f"'{architecture}'; supported: .*Qwen3"):
         runner_for(fake_model(architecture))
+
+
+def test_the_worker_logs_why_it_cannot_realize_legibly_and_reports_it_whole(caplog):
+    """The reason for an architecture without a runner lists the supported ones: longer than a
+    log line's string bound (``semkv.log.MAX_STRING``, past which a value is redacted as
+    payload). The log keeps its legible start; the scheduler gets it whole."""
+    import logging
+
+    from semkv_vllm.realization import SpanRealizer
+
+    caplog.set_level(logging.INFO, logger="semkv")
+    why = SpanRealizer.build(fake_model("DeepseekV3ForCausalLM"), object(), {}, {})
+    assert isinstance(why, str) and why.endswith("Qwen3MoeForCausalLM") and len(why) > 96
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "realization_unavailable" in logged and "redacted" not in logged
+    assert "no layer runner for architecture 'DeepseekV3ForCausalLM'" in logged

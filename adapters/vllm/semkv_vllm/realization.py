@@ -59,7 +59,7 @@ import torch
 
 from semkv.config import ConfigError, SemkvConfig, check_probe_layers
 from semkv.cost import RealizeWork
-from semkv.log import get_logger
+from semkv.log import MAX_STRING, get_logger
 from semkv.realize import KVCache
 from semkv.realize.memory import Budget, Geometry, over_budget, working_set
 from semkv.realize.recompute import cache_tokens, layer_calls, recompute_steps
@@ -384,5 +384,9 @@ def _fault_after(name: str) -> int | None:
 
 
 def _unavailable(why: str) -> str:
-    log.warning("realization_unavailable", why=why)
+    # NOTE: a log line redacts strings of MAX_STRING characters or more as payload: the reason
+    # is logged cut to fit (its start names the architecture and what is refused) and returned
+    # whole (the scheduler reports it; ``semkv calibrate`` prints it).
+    short = why if len(why) < MAX_STRING else why[: MAX_STRING - 2] + "…"
+    log.warning("realization_unavailable", why=short)
     return why
