@@ -128,9 +128,9 @@ def find_engine_model(max_depth: int = MAX_STACK_DEPTH) -> torch.nn.Module | Non
 __all__ = [
     "RUNNERS",
     "DecoderLayerRunner",
+    "EngineLayerRunner",
     "Gemma2LayerRunner",
     "Gemma3LayerRunner",
-    "EngineLayerRunner",
     "LlamaLayerRunner",
     "Qwen3LayerRunner",
     "UnsupportedModelError",
