@@ -10,7 +10,8 @@ the layer runners move (issue #49): the rotary embeddings are vLLM's own (``get_
   layer without RoPE: each layer moves by its own table, the layer without RoPE not at all, and
   one layer's table applied to the other's keys is wrong;
 - a rotary embedding without a cos/sin table (LongRoPE's two tables, switched by length) is
-  refused at construction, with its class named, never inside a realization; a table whose
+  refused at construction, with its class named, never inside a realization (and the
+  connector's config-level shift gets none instead of an AttributeError); a table whose
   angles are not linear in the position is refused, while a long linear fp32 table (32,768
   positions at base 1,000,000, Gemma 3's; its angles carry fp32 rounding up to 2e-3 rad) is
   not.
@@ -114,6 +115,13 @@ def test_a_rotary_without_a_cos_sin_table_is_refused_by_name(rope):
     assert getattr(longrope, "cos_sin_cache", None) is None
     with pytest.raises(UnsupportedModelError, match=type(longrope).__name__):
         ShiftRotator.of_layers([longrope], neox=True)
+    with pytest.raises(UnsupportedModelError, match="no cos/sin table"):
+        ShiftRotator.of_layers([longrope], neox=True)
+    # the connector's config-level shift (KV edits) gets none either, where it used to raise
+    # an AttributeError at start-up
+    from semkv_vllm.rope import RopeShift
+
+    assert RopeShift.from_rotary(longrope, True) is None
 
 
 def test_angles_not_linear_in_the_position_are_refused_and_long_fp32_tables_are_not(rope):

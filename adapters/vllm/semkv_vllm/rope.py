@@ -40,9 +40,21 @@ class RopeShift:
     rotary_dim: int
     neox: bool
 
+    @staticmethod
+    def refusal(rotary: Any) -> str:
+        """Why ``from_rotary`` gave no shift for ``rotary``."""
+        if getattr(rotary, "cos_sin_cache", None) is None:
+            return "no cos/sin table (its angles depend on more than the position)"
+        return "angles are not linear in the position"
+
     @classmethod
     def from_rotary(cls, rotary: Any, neox: bool) -> RopeShift | None:
-        cache = rotary.cos_sin_cache.detach().to("cpu", torch.float32)
+        """The shift for a vLLM rotary embedding, or None: a variant without one cos/sin table
+        (LongRoPE, dual-chunk) or whose angles are not linear in the position (``refusal``)."""
+        table = getattr(rotary, "cos_sin_cache", None)
+        if table is None:
+            return None
+        cache = table.detach().to("cpu", torch.float32)
         half = cache.shape[-1] // 2
         cos, sin = cache[:, :half], cache[:, half:]
         magnitude = torch.sqrt(cos * cos + sin * sin).clamp_min(1e-12)

@@ -82,14 +82,11 @@ class ShiftRotator:
                 shifts.append(None)
                 continue
             if id(rotary) not in built:
-                if getattr(rotary, "cos_sin_cache", None) is None:
-                    raise UnsupportedModelError(
-                        f"rotary embedding {type(rotary).__name__} has no cos/sin table")
                 shift = RopeShift.from_rotary(rotary, bool(getattr(rotary, "is_neox_style",
                                                                    neox)))
                 if shift is None:
-                    raise UnsupportedModelError(f"rotary embedding {type(rotary).__name__}: "
-                                                "angles are not linear in the position")
+                    raise UnsupportedModelError(
+                        f"rotary embedding {type(rotary).__name__}: {RopeShift.refusal(rotary)}")
                 built[id(rotary)] = shift
             shifts.append(built[id(rotary)])
         return cls(shifts)
@@ -203,17 +200,20 @@ class DecoderLayerRunner:
             self.rotator = ShiftRotator.of_layers(
                 [getattr(layer.self_attn, "rotary_emb", None) for layer in self._layers],
                 self.neox)
+            # read once here: every realization's memory check asks for it, and an MLP whose
+            # width is unknown refuses the model at start-up, not inside a realization
+            self._geometry = Geometry(
+                layers=self.num_layers, kv_heads=self.kv_heads, heads=self.num_heads,
+                head_dim=self.head_dim, hidden=int(weight.shape[1]),
+                intermediate=max(_intermediate(layer.mlp) for layer in self._layers),
+                dtype_bytes=self.dtype.itemsize)
         except UnsupportedModelError as exc:
             raise UnsupportedModelError(f"{type(model).__name__}: {exc}") from None
 
     @property
     def geometry(self) -> Geometry:
         """This rank's shape, for a realization's memory estimate (``semkv.realize.memory``)."""
-        return Geometry(layers=self.num_layers, kv_heads=self.kv_heads, heads=self.num_heads,
-                        head_dim=self.head_dim,
-                        hidden=int(self.model.model.embed_tokens.weight.shape[1]),
-                        intermediate=max(_intermediate(layer.mlp) for layer in self._layers),
-                        dtype_bytes=self.dtype.itemsize)
+        return self._geometry
 
     # -- building blocks --------------------------------------------------------------------
 
