@@ -18,8 +18,8 @@ engine each, the configuration and the plan recorder of tests/test_engine_realiz
   windows or an attention soft cap (Gemma), the runner without them is off by more than 10x
   that, so each one is checked.
 
-Mistral with a sliding window: tests/test_engine_windowed_runner.py (an engine of its own: two
-engines alive in one process share vLLM's global KV connector).
+Mistral with a sliding window in every layer (one sliding-window KV-cache group), and Gemma 3
+under vLLM's hybrid manager (six groups): tests/test_engine_kv_groups.py.
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ ARCHITECTURES = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3-moe": "Qwen3MoeForCausalLM",
                  "gemma3-norms": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3-270m": "Gemma3ForCausalLM"}
-# Gemma's window and full layers make several KV-cache groups, where realized spans wait for
-# issue #50; with vLLM's hybrid manager off every layer's blocks are one group (the kernel
-# still applies each layer's window), which realizes spans today.
+# With vLLM's hybrid manager off every layer's blocks are one group (the kernel still applies
+# each layer's window): this module's checks read vLLM's own KV through one group's block
+# table. Several groups (the manager on): tests/test_engine_kv_groups.py.
 ONE_GROUP = {"disable_hybrid_kv_cache_manager": True}
 OVERRIDES: dict[str, dict[str, Any]] = {"gemma3-norms": ONE_GROUP, "gemma2": ONE_GROUP,
                                         "gemma3-270m": ONE_GROUP}

@@ -1,31 +1,31 @@
-"""Models with several KV-cache groups (Gemma 3 and every model that mixes window and full
-attention) on the real vLLM CPU engine, vLLM's hybrid KV-cache manager left on.
+"""Models with sliding windows on the real vLLM CPU engine, vLLM's hybrid KV-cache manager left
+on: several KV-cache groups (Gemma 3, every model that mixes window and full attention), or one
+sliding-window group whose out-of-window blocks are vLLM's null block.
 
-Two tiny random-weight Gemma 3 text models (tests/tiny_engine_model.py, fp32, a 64-token
-window, block 32): ``gemma3`` (10 window layers, 2 full: six KV-cache groups) and
-``gemma3-windowed`` (every layer windowed: one group whose out-of-window blocks are vLLM's null
-block). One in-process engine per model, the README's mode with realized spans on.
+Three tiny random-weight models (tests/tiny_engine_model.py, fp32, a 64-token window, block
+32): ``gemma3`` (10 window layers, 2 full: six KV-cache groups), ``gemma3-windowed`` and
+``mistral-windowed`` (every layer windowed: one group). One in-process engine per model, the
+README's mode with realized spans on.
 
-- The exact tier per group: a stored prefix 5 windows long (at a block boundary, and with the
-  shared tokens ending inside a block) is served to a prompt 11 windows long, every group's own
-  blocks loaded, output equal to vLLM's own prefix hit; vLLM's null block (block 0) is never
-  written; the donor store holds one block of every layer per slot, as the workers allocated.
+- The exact tier per group (realized spans off for these tests): a stored prefix 5 windows long
+  (at a block boundary, and with the shared tokens ending inside a block) is served to a prompt
+  11 windows long, every group's own blocks loaded, output equal to vLLM's own prefix hit;
+  vLLM's null block (block 0) is never written; the donor store holds one block of every layer
+  per slot, as the workers allocated. A prefix vLLM's own cache dropped is served.
 - A load that fails (every slot made stale) is reported per request (vLLM maps invalid block
   ids back to requests for one group only): the request is recomputed, output as cold.
-- Realized spans are refused per request, by name: the plan is counted
-  ``realize_refused{reason="kv_groups"}``, the request keeps its exact prefix
-  (``span_refused.reason == "unsupported_kv_groups"``); the start-up line says so.
-- ``semkv calibrate`` on such a model exits non-zero before measuring, naming the groups.
+- A realized span behind a local prefix vLLM holds (two windows): the span's first tokens read
+  the local window vLLM's table dropped, pinned by semkv (``semkv_vllm.window_pins``); at
+  recompute 1.0 its K/V equals the layer runner's prefill in every layer and the output equals
+  cold; a failed realization is recomputed as cold; every pin is released, no null block
+  written.
+- The layer runner masks each layer by its own window, as the engine's kernel does.
 """
 
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,10 +39,14 @@ from tests.engine_utils import (  # noqa: E402
     essay_prompts,
     generate_ids,
     output_tokens,
+    runner_prefill_logprob_error,
+    scheduler_side,
     semkv_metrics_by_label,
     semkv_summary,
     token_texts,
 )
+from tests.test_engine_families import LOGPROB_ATOL, long_prompt  # noqa: E402
+from tests.test_engine_realization import kv_atol  # noqa: E402
 from tests.tiny_engine_model import WINDOW, tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -50,10 +54,11 @@ EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
          "semantic_tiers": ["verified"], "realize_spans": True,
          "gate_policy": "ungated", "realize_min_gain": 0.0,  # mechanics: every class, unpriced
          "min_reuse_tokens": 64, "verified_min_reuse_tokens": 64,
-         "lookup_timeout_ms": 10_000, "request_options": True, "recompute_strategy": "first_k"}
+         "lookup_timeout_ms": 10_000, "request_options": True, "recompute_strategy": "first_k",
+         "request_overrides": ["recompute"]}
 OUT_OF_IT = {"lookup": False, "save": False}  # semkv neither serves nor stores it
-GROUPS = {"gemma3": "6 KV-cache group(s) (1 FullAttention, 5 SlidingWindow 64)",
-          "gemma3-windowed": "1 KV-cache group(s) (1 SlidingWindow 64)"}
+# (full-attention groups, sliding-window groups) of each model under vLLM's hybrid manager
+GROUPS = {"gemma3": (1, 5), "gemma3-windowed": (0, 1), "mistral-windowed": (0, 1)}
 PREFIX = 10 * BLOCK  # 5 windows
 
 
@@ -79,6 +84,14 @@ def family_engine(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any, li
         logger.removeHandler(lines)
 
 
+@pytest.fixture
+def exact_tier(family_engine: tuple[str, Any, list[str]],
+               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Realized spans off in the scheduler for one test: these prompts repeat one essay, so a
+    realized span would copy more than the stored prefix and win (as it should)."""
+    monkeypatch.setattr(scheduler_side(family_engine[1]), "spans", None)
+
+
 def run(llm: Any, ids: list[int], max_tokens: int = 8, **options: Any) -> Any:
     return generate_ids(llm, ids, max_tokens, request_params(**options) if options else None)
 
@@ -102,8 +115,9 @@ def test_the_start_up_line_says_what_the_engine_gets(family_engine):
     family, llm, messages = family_engine
     said = [m for m in messages if "semkv_engine_support" in m]
     assert len(said) == 1, messages
-    assert '"exact_tier": "yes"' in said[0] and '"realized_spans": "no"' in said[0], said
-    assert GROUPS[family] in said[0] and "unsupported_kv_groups" in said[0], said
+    assert '"exact_tier": "yes"' in said[0] and '"realized_spans": "yes"' in said[0], said
+    windows = scheduler_side(llm).support.windows
+    assert (windows.count(None), windows.count(WINDOW)) == GROUPS[family], windows
     # the donor store: one block of every layer per slot, as the workers allocated it
     side = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
     store = worker_side().store
@@ -111,7 +125,7 @@ def test_the_start_up_line_says_what_the_engine_gets(family_engine):
 
 
 @pytest.mark.parametrize("inside", [0, 13], ids=["at_a_block_boundary", "inside_a_block"])
-def test_a_stored_prefix_is_served_as_vllms_own_hit(family_engine, inside):
+def test_a_stored_prefix_is_served_as_vllms_own_hit(family_engine, exact_tier, inside):
     """The donor and the target share ``PREFIX + inside`` tokens and the donor ends less than a
     block later: vLLM's own cache still holds its window groups' last blocks, so vLLM's own hit
     (of ``PREFIX``, whole blocks) is the reference."""
@@ -137,7 +151,7 @@ def test_a_stored_prefix_is_served_as_vllms_own_hit(family_engine, inside):
         "vLLM's null block was written")
 
 
-def test_a_prefix_vllms_own_cache_dropped_is_served(family_engine):
+def test_a_prefix_vllms_own_cache_dropped_is_served(family_engine, exact_tier):
     """The prefix is 5 windows into a donor 16 windows long: vLLM freed the window groups'
     blocks there while the donor ran (its own hit is 0 on this vLLM), semkv stored every
     group's blocks and serves them; output as cold."""
@@ -161,7 +175,7 @@ def test_a_prefix_vllms_own_cache_dropped_is_served(family_engine):
     assert output_tokens(out) == cold, family
 
 
-def test_a_failed_load_is_recomputed_as_cold(family_engine):
+def test_a_failed_load_is_recomputed_as_cold(family_engine, exact_tier):
     family, llm, _ = family_engine
     prefix, tail, body = token_texts(llm, 90, PREFIX, 150, 8 * WINDOW)
     llm.reset_prefix_cache(reset_connector=True)
@@ -186,51 +200,122 @@ def test_a_failed_load_is_recomputed_as_cold(family_engine):
     assert all(bool((a == b).all()) for a, b in zip(null, null_blocks(), strict=True))
 
 
-def test_a_realized_plan_is_refused_by_name_and_the_exact_prefix_kept(family_engine):
-    """The target is the donor's document behind another instruction, and also starts with
-    four blocks another stored prompt shares: the plan is made, refused for the engine's
-    KV-cache groups, and the four blocks are served as vLLM's own hit would."""
-    family, llm, _ = family_engine
+LOCAL = 4 * BLOCK  # the target's first blocks, held by vLLM's own cache (two windows)
+
+
+def behind_a_local_window(llm: Any) -> tuple[list[int], list[int]]:
+    """(cold output, target): the target is a stored donor's document behind another
+    instruction, and vLLM's own cache holds its first ``LOCAL`` tokens (a prompt that ends
+    less than a block after them, so its window blocks are still cached)."""
     tok = llm.get_tokenizer()
     doc, other = essay_prompts(2, chars=2600, seed=23)
     donor = tok("Summarize the following essay in one sentence.\n\n" + doc)["input_ids"]
     target = tok("Read the essay below, then list the three claims it argues most "
                  "forcefully, each with the sentence that supports it.\n\n" + doc)["input_ids"]
-    exact = 4 * BLOCK
-    # less than a block after them: vLLM's own cache keeps the window blocks they end with
-    opener = target[:exact] + tok(other)["input_ids"][:20]
+    opener = target[:LOCAL] + tok(other)["input_ids"][:20]
     llm.reset_prefix_cache(reset_connector=True)
-    run(llm, opener, 1, **OUT_OF_IT)
-    own = run(llm, target, **OUT_OF_IT)
-    assert own.num_cached_tokens == exact
+    cold = output_tokens(run(llm, target, **OUT_OF_IT))
     llm.reset_prefix_cache(reset_connector=True)
-    run(llm, donor, 1, lookup=False)
-    run(llm, opener, 1, lookup=False)
+    run(llm, donor, 1, lookup=False)  # semkv's donor
     llm.reset_prefix_cache()
-    before = semkv_metrics_by_label(llm)
-    out = run(llm, target, save=False)
-    delta = {k: v - before.get(k, 0.0) for k, v in semkv_metrics_by_label(llm).items()}
+    run(llm, opener, 1, **OUT_OF_IT)  # vLLM's own cache: the target's first blocks
+    return cold, target
+
+
+def test_a_realized_span_reads_the_local_window_vllm_dropped_and_equals_cold(family_engine,
+                                                                             monkeypatch):
+    """The target is the donor's document behind another instruction and starts with four
+    blocks (two windows) vLLM's own cache holds. The span after them is realized with every
+    copied token recomputed (blend at 1.0). Once the span counts as computed, vLLM's table
+    holds its null block for those four blocks in every window group; semkv pins the ones the
+    span's first tokens attend to from the decision to the worker's report
+    (``semkv_vllm.window_pins``). The realized K/V equals the layer runner's prefill of the
+    whole target in every layer; the output equals cold; the null block is never written;
+    every pin is released."""
+    from semkv_vllm.metadata import NO_BLOCK
+    from semkv_vllm.realization import SpanRealizer
+
+    family, llm, _ = family_engine
+    cold, target = behind_a_local_window(llm)
+    realized: dict[str, Any] = {}
+    write = SpanRealizer.write
+
+    def recording(self: Any, done: Any) -> None:
+        realized[done.op.request_id] = done
+        write(self, done)
+
+    monkeypatch.setattr(SpanRealizer, "write", recording)
+    null = null_blocks()
+    out = run(llm, target, save=False, recompute={"strategy": "blend", "fraction": 1.0})
     s = semkv_summary(out)
-    assert delta.get("vllm:semkv_realize_refused:reason=kv_groups") == 1, delta
-    assert s["span_refused"]["reason"] == "unsupported_kv_groups", s
-    assert s["span_refused"]["class"] is not None, s
-    assert (s["provenance"], s["tier"]) == ("exact_external_kv_hit", "exact"), s
-    assert s["external_tokens"] == s["confirmed_loaded_tokens"] == exact, s
-    assert delta.get("vllm:semkv_refused_kept_exact:reason=unsupported_kv_groups") == 1, delta
-    assert output_tokens(out) == output_tokens(own), family
+    assert s["provenance"] == "request_only_semantic_reuse", (family, s)
+    assert s["local_prefix_tokens"] == out.num_cached_tokens - s["external_tokens"] == LOCAL, s
+    assert s["confirmed_loaded_tokens"] == s["external_tokens"] >= 4 * WINDOW, s
+    (done,) = realized.values()
+    windows = scheduler_side(llm).support.windows
+    for group, window in enumerate(windows):
+        ids = done.op.local_blocks(group)
+        # a window group's table dropped its local blocks; the op reads the pinned ones
+        held = ids[-(window // BLOCK):] if window else ids
+        assert NO_BLOCK not in held, (group, ids)
+    assert any(NO_BLOCK in done.op.span_blocks(g) for g, w in enumerate(windows) if w)
+
+    runner = worker_side().realizer.runner
+    reference, _ = runner.full_prefill(list(out.prompt_token_ids), all_logits=False)
+    lo, hi = done.op.local_tokens, done.op.span_tokens
+    for layer in range(runner.num_layers):
+        for got, want in ((done.cache.keys[layer], reference.keys[layer]),
+                          (done.cache.values[layer], reference.values[layer])):
+            want = want[0, :, lo:hi]
+            error = float((got[0, :, lo:hi] - want).abs().max())
+            assert error <= kv_atol(want), (family, layer, error)
+    assert output_tokens(out) == cold, family
+    assert all(bool((a == b).all()) for a, b in zip(null, null_blocks(), strict=True)), (
+        "vLLM's null block was written")
+    assert len(scheduler_side(llm).window_pins) == 0
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    assert pool.get_usage() == 0.0  # every block back on the free queue: no pin leaked
 
 
-def test_calibrate_fails_before_measuring_and_names_the_groups(tmp_path: Path):
-    out = tmp_path / "policy.json"
-    started = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "semkv.cli", "calibrate", "--no-progress", "--block-size", "32",
-         "--model", str(tiny_model_dir("gemma3")), "--kinds", "cross_instruction",
-         "--targets-per-kind", "3", "--target-tokens", "512", "--out", str(out)],
-        capture_output=True, text=True, timeout=600)
-    wall = time.perf_counter() - started
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "this engine cannot realize spans: " + GROUPS["gemma3"] in proc.stderr, (
-        proc.stderr[-3000:])
-    assert not out.exists() and not out.with_name("policy.rows.json").exists()
-    print(f"calibrate refused in {wall:.1f} s")  # the engine's start-up, nothing measured
+def test_a_failed_realization_is_recomputed_as_cold_and_its_pins_released(family_engine):
+    """Every donor slot made stale: the realization fails before it computes, is reported per
+    request (vLLM maps invalid block ids back to requests for one group only, and would restart
+    inside a window whose blocks it dropped), recomputed from the start: output as cold."""
+    family, llm, _ = family_engine
+    cold, target = behind_a_local_window(llm)
+    worker = worker_side()
+    kept = list(worker.slot_generation)
+    worker.slot_generation = [-2] * len(kept)
+    null = null_blocks()
+    try:
+        before = semkv_metrics_by_label(llm)
+        out = run(llm, target, save=False)
+    finally:
+        worker.slot_generation = kept
+    s = semkv_summary(out)
+    assert (s["provenance"], s["fallback_reason"]) == ("exact_local_prefix_hit", "load_failed")
+    assert s["local_prefix_tokens"] == LOCAL and s["confirmed_loaded_tokens"] == 0, s
+    assert output_tokens(out) == cold, family
+    delta = {k: v - before.get(k, 0.0) for k, v in semkv_metrics_by_label(llm).items()}
+    assert delta.get("vllm:semkv_materialize_failed") == 1, delta
+    assert all(bool((a == b).all()) for a, b in zip(null, null_blocks(), strict=True))
+    assert len(scheduler_side(llm).window_pins) == 0
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    assert pool.get_usage() == 0.0
+
+
+def test_the_runner_masks_each_layer_by_its_window_as_the_engines_kernel_does(family_engine):
+    """A ~580-token prompt crosses the window nine times: the layer runner's prefill, each
+    layer masked by its own window, gives the engine's next-token log-probabilities; without
+    the windows it does not (more than 10x the tolerance), so the check can fail."""
+    family, llm, _ = family_engine
+    ids = long_prompt(llm)
+    llm.reset_prefix_cache(reset_connector=True)  # no donor: the engine prefills it all
+    error, same = runner_prefill_logprob_error(llm, ids)
+    assert error <= LOGPROB_ATOL and same, (family, error)
+    unwindowed, _ = runner_prefill_logprob_error(llm, ids, without="windows")
+    assert unwindowed > 10 * LOGPROB_ATOL, (family, unwindowed)
+    print(f"{family}: windowed runner vs engine {error:.1e}; without the windows "
+          f"{unwindowed:.2f}")
+
+

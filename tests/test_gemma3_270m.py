@@ -13,8 +13,7 @@ attention, vLLM's hybrid KV-cache manager left on.
   which vLLM's own cache dropped from its window groups, is served too, output equal to cold;
 - the Gemma layer runner (``semkv_vllm.models.gemma``) on the real weights: its prefill of a
   1,400-token prompt (its windows crossed) gives the engine's next-token log-probabilities,
-  and without the windows it does not (realized spans on this engine wait for issue #50: six
-  KV-cache groups).
+  and without the windows it does not.
 """
 
 from __future__ import annotations

@@ -208,29 +208,29 @@ def test_engine_support_names_what_each_engine_cannot_take():
     assert whole.log_fields(realizing) == {"exact_tier": "yes", "realized_spans": "yes"}
     assert whole.log_fields(plain)["realized_spans"] == "off"
 
-    # window and full attention (vLLM's hybrid manager): the exact tier per group; KV edits and
-    # realized spans refused per request
+    # window and full attention (vLLM's hybrid manager): the exact tier and realized spans per
+    # group; token-level KV edits refused per request
     hybrid = engine_support(plain, config, kv(spec, window, window))
-    assert hybrid.exact is None and hybrid.groups == 3
-    assert hybrid.non_exact is not None and hybrid.realize is not None
-    assert hybrid.realize.reason == "unsupported_kv_groups"
-    assert hybrid.realize.counter == "kv_groups"
-    assert "3 KV-cache group(s) (1 FullAttention, 2 SlidingWindow 64)" in hybrid.realize.why
-    said = hybrid.log_fields(realizing)
-    assert (said["exact_tier"], said["realized_spans"]) == ("yes", "no")
-    assert "KV-cache group" in said["why"] and said["refused_as"] == "unsupported_kv_groups"
+    assert hybrid.exact is None and hybrid.realize is None and hybrid.groups == 3
+    assert hybrid.windows == (None, 64, 64) and hybrid.per_group
+    assert hybrid.non_exact is not None and hybrid.non_exact.reason == "unsupported_kv_groups"
+    assert hybrid.non_exact.counter == "kv_groups"
+    assert "3 KV-cache group(s) (1 FullAttention, 2 SlidingWindow 64)" in hybrid.non_exact.why
+    assert hybrid.log_fields(realizing) == {"exact_tier": "yes", "realized_spans": "yes"}
     assert hybrid.log_fields(plain) == {"exact_tier": "yes", "realized_spans": "off"}
     # every layer windowed: one group whose out-of-window blocks are vLLM's null block
     windowed = engine_support(plain, config, kv(window))
-    assert windowed.exact is None and windowed.non_exact is not None
-    assert "SlidingWindow 64" in windowed.non_exact.why
+    assert windowed.exact is None and windowed.realize is None and windowed.per_group
+    assert windowed.non_exact is not None and "SlidingWindow 64" in windowed.non_exact.why
+    assert not whole.per_group and whole.windows == (None,)
     # what no copy addresses: other block sizes (or Mamba); LMCache's connector takes one group
     other = SlidingWindowSpec(block_size=2 * BLOCK, num_kv_heads=1, head_size=HEAD_SIZE,
                               dtype=torch.float32, sliding_window=64)
     assert engine_support(plain, config, kv(spec, other)).exact is not None
     lmcache = SemkvConfig.model_construct(**{**plain.__dict__, "donor_store": "lmcache"})
-    refused = engine_support(lmcache, config, kv(spec, window)).exact
-    assert refused is not None and refused.reason == "unsupported_kv_groups"
+    refused = engine_support(lmcache, config, kv(spec, window))
+    assert refused.exact is not None and refused.exact.reason == "unsupported_kv_groups"
+    assert refused.realize is not None and refused.realize.counter == "kv_groups"
 
     speculative = copy.copy(config)
     object.__setattr__(speculative, "speculative_config", object())

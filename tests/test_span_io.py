@@ -1,6 +1,7 @@
 """A realization's page reads and writes (``semkv_vllm.span_io``): the one-pass gathers and
 scatters over a contiguous block-major tensor equal the page path (whole pages through the
-``PageLayout``), for a page interior that is not token-major."""
+``PageLayout``), for a page interior that is not token-major; a window group's dropped blocks
+(``NO_BLOCK``) read as zeros and are never written; each group reads its own blocks."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from semkv_vllm.metadata import NO_BLOCK  # noqa: E402
 from semkv_vllm.page_layout import PageLayout  # noqa: E402
 from semkv_vllm.span_io import SpanReads, write_span  # noqa: E402
 
@@ -81,7 +83,7 @@ def test_the_span_write_is_the_page_write_and_touches_nothing_else() -> None:
                     [torch.randn(1, HEADS, hi + 3, DIM, generator=gen) for _ in range(layers)])
     fast = [pages(12, 10 + i) for i in range(layers)]
     slow = [t.clone() for t in fast]
-    write_span(layout, fast, blocks, cache, lo, hi)
+    write_span(layout, fast, [blocks] * layers, cache, lo, hi)
     for layer, kv in enumerate(slow):
         reference_write(layout, kv, blocks, cache.keys[layer][0, :, lo:hi].transpose(0, 1),
                         cache.values[layer][0, :, lo:hi].transpose(0, 1))
@@ -90,3 +92,41 @@ def test_the_span_write_is_the_page_write_and_touches_nothing_else() -> None:
     untouched = [i for i in range(12) if i not in blocks]
     assert torch.equal(fast[0][untouched], pages(12, 10)[untouched])
     assert not torch.equal(fast[0][blocks], pages(12, 10)[blocks])
+
+
+def test_a_dropped_local_block_reads_as_zeros_and_each_group_reads_its_own() -> None:
+    layout = scrambled_layout(8)
+    kv, other, store = pages(12, 9), pages(12, 10), pages(4, 11)
+    slots, picked = torch.tensor([2]), torch.tensor([0, 5])
+    window = torch.tensor([NO_BLOCK, 6, 3])  # its first block fell out of the window
+    full = torch.tensor([1, 7, 4])
+    for kv_of_first in (kv, kv.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)):
+        reads = SpanReads(layout, kv_of_first, store, window, slots, picked, 3 * BLOCK,
+                          torch.device("cpu"), HEADS, DIM, torch.float32)
+        reads.add_group(1, other, full)
+        k, v = reads.layer(kv_of_first, store, 0)
+        assert k.shape == (HEADS, 3 * BLOCK + 2, DIM)
+        assert not k[:, :BLOCK].any() and not v[:, :BLOCK].any()  # zeros, not block 0's KV
+        lk, lv = layout.read(kv.index_select(0, window[1:]))
+        assert torch.equal(k[:, BLOCK : 3 * BLOCK], lk.transpose(0, 1))
+        assert torch.equal(v[:, BLOCK : 3 * BLOCK], lv.transpose(0, 1))
+        k1, _ = reads.layer(other, store, 1)
+        fk, _ = layout.read(other.index_select(0, full))
+        assert torch.equal(k1[:, : 3 * BLOCK], fk.transpose(0, 1))
+        assert torch.equal(k1[:, 3 * BLOCK :], k[:, 3 * BLOCK :])  # the same copies
+
+
+def test_the_span_write_skips_a_dropped_block_and_writes_each_layers_own() -> None:
+    layout = scrambled_layout(12)
+    lo, hi = 0, 3 * BLOCK
+    gen = torch.Generator().manual_seed(13)
+    cache = KVCache([torch.randn(1, HEADS, hi, DIM, generator=gen) for _ in range(2)],
+                    [torch.randn(1, HEADS, hi, DIM, generator=gen) for _ in range(2)])
+    kvs = [pages(12, 14), pages(12, 15)]
+    before = [t.clone() for t in kvs]
+    write_span(layout, kvs, [[NO_BLOCK, 5, 8], [2, 3, 4]], cache, lo, hi)
+    k0, _ = layout.read(kvs[0].index_select(0, torch.tensor([5, 8])))
+    assert torch.equal(k0, cache.keys[0][0, :, BLOCK:hi].transpose(0, 1))
+    assert torch.equal(kvs[0][[0, 2, 3, 4, 11]], before[0][[0, 2, 3, 4, 11]])  # last: -1
+    k1, _ = layout.read(kvs[1].index_select(0, torch.tensor([2, 3, 4])))
+    assert torch.equal(k1, cache.keys[1][0, :, lo:hi].transpose(0, 1))

@@ -196,7 +196,7 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
                 # engine's loaded model is one frame up (semkv_vllm.models explains why).
                 built = SpanRealizer.build(
                     find_engine_model(), self._worker.layout, kv_caches, self._worker.store,
-                    self.config, forward_context(self._vllm_config))
+                    self.config, forward_context(self._vllm_config), self._worker.group_of)
                 self._worker.realizer = built if isinstance(built, SpanRealizer) else None
                 self._worker.realize_why = built if isinstance(built, str) else None
                 self._worker.report_realize = True
@@ -316,6 +316,7 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
         super().bind_kv_cache_manager(kv_cache_manager)
         if self._scheduler is not None:
             self._scheduler.kv_cache_manager = kv_cache_manager
+            self._scheduler.window_pins.kv_cache_manager = kv_cache_manager
             pool = getattr(kv_cache_manager, "block_pool", None)
             null = getattr(getattr(pool, "null_block", None), "block_id", None)
             if isinstance(null, int):
@@ -381,6 +382,8 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
             with self._timed():
+                for rid in connector_output.finished_recving or ():  # read, written or not
+                    self._scheduler.window_pins.release(rid)
                 # NOTE: before vLLM reads the finished sets (finish_order.py says why)
                 self._scheduler.finish_order.rewrite(connector_output)
                 self._scheduler.update_connector_output(connector_output.kv_connector_worker_meta)

@@ -1,6 +1,7 @@
 """From an admitted decision to the worker's op, on the blocks vLLM allocated for it.
 
-- A realized span (``RequestState.span``): its ``SpanHold`` writes the ``RealizeOp``.
+- A realized span (``RequestState.span``): its ``SpanHold`` writes the ``RealizeOp`` (with
+  sliding-window or several KV-cache groups, on each group's blocks).
 - Exact tier: store slot i into the block after the local prefix plus i (of every KV-cache
   group; a window group's null blocks are left alone).
 - One donor over differing tokens (verified/semantic token swap): the assessment's segments,
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from semkv.types import QualityTier, SemanticKVMatch
-from semkv_vllm.metadata import LoadOp, RealizeOp, block_groups
+from semkv_vllm.metadata import NO_BLOCK, LoadOp, RealizeOp, block_groups
 from semkv_vllm.request_state import RequestState
 from semkv_vllm.store_index import StoreIndex
 
@@ -40,9 +41,24 @@ def pin_slots(st: RequestState, match: SemanticKVMatch, donor_keys: Sequence[byt
     return True
 
 
-def realize_op(st: RequestState, block_ids: Sequence[int]) -> RealizeOp:
+def realize_op(st: RequestState, block_ids: tuple[list[int], ...], *, null_block: int,
+               pinned: dict[int, list[int]] | None = None) -> RealizeOp:
+    """``block_ids``: the request's blocks of each KV-cache group. ``pinned``: None for one
+    full-attention group (the op on its blocks); else every group's blocks go on the op, each
+    window group's local prefix as pinned for it (``window_pins.py``; vLLM's table holds its
+    null block where the window of the span's end has passed)."""
     assert st.span is not None
-    op = st.span.op(st.request.request_id, st.request.all_token_ids, block_ids)
+    rid, tokens = st.request.request_id, st.request.all_token_ids
+    if pinned is None:
+        op = st.span.op(rid, tokens, block_ids[0])
+    else:
+        bs = st.span.plan.block_size
+        span, local = st.span.plan.span_tokens // bs, st.span.plan.local_tokens // bs
+        groups = [[NO_BLOCK if b == null_block else b for b in ids[:span]] for ids in block_ids]
+        for group, ids in pinned.items():
+            groups[group][:local] = ids
+        op = st.span.op(rid, tokens, groups[0])
+        op.groups = groups
     op.kv_floor = st.options.kv_floor if st.options is not None else None
     st.may_save, st.request_only = False, True
     return op

@@ -102,6 +102,13 @@ class RealizeOp:
     at ``token_positions``: every position the strategy may compute. Always asynchronous: the
     request waits for its KV while others run. With ``fetches`` the copies' slots are filled
     from the shared KV store first; the realization starts once every fetch has landed.
+    With sliding-window or several KV-cache groups, ``groups`` holds each group's blocks over
+    ``[0, span_tokens)`` (``local_block_ids`` and ``block_ids`` are the first group's): a
+    layer reads its local prefix from and writes the span into its own group's blocks.
+    NOTE: ``NO_BLOCK`` there is a block the group does not hold (vLLM's null block, out of
+    every later token's window): a local one is read as zeros, a span one is not written.
+    With ``groups`` a failure is reported per request (vLLM's invalid-block recovery would
+    restart inside a window whose blocks it dropped).
     """
 
     request_id: str
@@ -118,6 +125,19 @@ class RealizeOp:
     kv_floor: str | None = None  # request option: round the realized KV (semkv_vllm.options)
     fetches: list[FetchOp] = field(default_factory=list)
     max_chunk_tokens: int | None = None  # positions per layer call (None: a layer at once)
+    groups: list[list[int]] | None = None  # each KV-cache group's blocks (see above)
+
+    def local_blocks(self, group: int) -> list[int]:
+        """The local prefix's blocks of ``group`` (``NO_BLOCK`` where it holds none)."""
+        if self.groups is None:
+            return self.local_block_ids
+        return self.groups[group][: len(self.local_block_ids)]
+
+    def span_blocks(self, group: int) -> list[int]:
+        """The span's blocks of ``group`` (``NO_BLOCK`` where it holds none)."""
+        if self.groups is None:
+            return self.block_ids
+        return self.groups[group][len(self.local_block_ids):]
 
     def token_map(self) -> dict[int, int]:
         return dict(zip(self.token_positions, self.token_ids, strict=True))

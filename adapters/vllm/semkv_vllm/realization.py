@@ -134,10 +134,13 @@ class _Job:
 class SpanRealizer:
     def __init__(self, runner: Any, layout: PageLayout, layer_names: list[str],
                  kv_caches: dict[str, torch.Tensor], store: dict[str, torch.Tensor],
-                 memory_bytes: int | None = None) -> None:
+                 memory_bytes: int | None = None,
+                 group_of: dict[str, int] | None = None) -> None:
         self.runner = runner
         self.layout = layout
         self.layer_names = layer_names  # decoder layer i -> its paged cache's name
+        # decoder layer i -> its KV-cache group (a RealizeOp's ``groups[g]`` are its blocks)
+        self.layer_groups = [(group_of or {}).get(name, 0) for name in layer_names]
         self.kv_caches = kv_caches
         self.store = store
         self._jobs: list[_Job] = []
@@ -149,8 +152,9 @@ class SpanRealizer:
     def build(cls, model: Any, layout: PageLayout | None, kv_caches: dict[str, torch.Tensor],
               store: dict[str, torch.Tensor], config: SemkvConfig | None = None,
               context: Callable[[], AbstractContextManager[Any]] | None = None,
-              ) -> SpanRealizer | str:
-        """The engine's realizer, or why it has none (logged; reported to the scheduler)."""
+              group_of: dict[str, int] | None = None) -> SpanRealizer | str:
+        """The engine's realizer, or why it has none (logged; reported to the scheduler).
+        ``group_of``: each paged cache's KV-cache group (absent: group 0)."""
         from semkv_vllm.models import UnsupportedModelError, runner_for
 
         if model is None or layout is None:
@@ -171,7 +175,7 @@ class SpanRealizer:
                 return _unavailable("a decoder layer has no paged cache")
             names.append(name)
         return cls(runner, layout, names, kv_caches, store,
-                   None if config is None else int(config.realize_memory_bytes))
+                   None if config is None else int(config.realize_memory_bytes), group_of)
 
     # -- between steps (main thread) -------------------------------------------------------
     def submit(self, op: RealizeOp) -> None:
@@ -237,7 +241,8 @@ class SpanRealizer:
         op, cache = realized.op, realized.cache
         assert cache is not None
         write_span(self.layout, [self.kv_caches[name] for name in self.layer_names],
-                   op.block_ids, cache, op.local_tokens, op.span_tokens)
+                   [op.span_blocks(g) for g in self.layer_groups], cache, op.local_tokens,
+                   op.span_tokens)
 
     def shutdown(self) -> None:
         self._jobs.clear()  # the engine is going away: nothing will read these blocks
@@ -284,19 +289,16 @@ class SpanRealizer:
             positions.append(torch.arange(c.target_start, c.target_start + c.length))
             deltas.append(torch.full((c.length,), c.target_start - c.donor_start))
             base += len(c.slots) * bs
-        local = torch.as_tensor(op.local_block_ids, dtype=torch.long)
         at = torch.cat([torch.arange(op.local_tokens), *positions])
         moved = torch.cat([torch.zeros(op.local_tokens, dtype=torch.long), *deltas])
         picked = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
         rotator = runner.rotator if bool(moved.any()) else None
-        layer0 = self.layer_names[0]
-        reads = SpanReads(self.layout, self.kv_caches[layer0], self.store.get(layer0), local,
-                          slots, picked, op.local_tokens, runner.device, runner.kv_heads,
-                          runner.head_dim, runner.dtype)
+        reads = self._reads(op, slots, picked)
         # Layer by layer: one layer's donor K/V in memory beside the cache, never all of them.
         for layer, name in enumerate(self.layer_names):
             with torch.no_grad():
-                k, v = reads.layer(self.kv_caches[name], self.store.get(name))
+                k, v = reads.layer(self.kv_caches[name], self.store.get(name),
+                                   self.layer_groups[layer])
                 place_layer(cache, layer, rotator, at, k, v, moved)
                 del k, v
             yield 0  # reads and re-rotation: charged the per-call overhead only
@@ -311,6 +313,20 @@ class SpanRealizer:
         calls = _fault_after(FAULT_AFTER_CALLS)
         done = yield from (steps if calls is None else _failing_after(steps, calls))
         return cache, done.recomputed
+
+    def _reads(self, op: RealizeOp, slots: torch.Tensor, picked: torch.Tensor) -> SpanReads:
+        """The op's reads: its copies, and each KV-cache group's local-prefix blocks."""
+        runner, layer0 = self.runner, self.layer_names[0]
+        first: dict[int, str] = {}  # group -> its first layer's paged cache
+        for name, group in zip(self.layer_names, self.layer_groups, strict=True):
+            first.setdefault(group, name)
+        blocks = {g: torch.as_tensor(op.local_blocks(g), dtype=torch.long) for g in first}
+        reads = SpanReads(self.layout, self.kv_caches[layer0], self.store.get(layer0),
+                          blocks[self.layer_groups[0]], slots, picked, op.local_tokens,
+                          runner.device, runner.kv_heads, runner.head_dim, runner.dtype)
+        for group, name in first.items():
+            reads.add_group(group, self.kv_caches[name], blocks[group])
+        return reads
 
     def _fail_midway(self, cache: KVCache, op: RealizeOp, after: int) -> None:
         """Fault injection: compute the first layers for real, then fail."""

@@ -79,6 +79,7 @@ from semkv_vllm.request_state import (
 from semkv_vllm.span_admission import ClassGate, CostGate, SpanAdmission, strategy_of
 from semkv_vllm.span_decision import SpanDecision
 from semkv_vllm.store_index import StoreIndex
+from semkv_vllm.window_pins import WindowPins
 from semkv_vllm.worker_feedback import apply_worker_meta
 
 log = get_logger("semkv.vllm.scheduler")
@@ -154,6 +155,8 @@ class SchedulerSide:
             provider.known = lambda d: d in self.registry.donors or self.foreign.is_shared(d)
         self.hook_seconds = 0.0  # connector hooks' time since the last stats export
         self.kv_cache_manager: Any = None
+        # a realization's local window blocks, held until the worker read them (window groups)
+        self.window_pins = WindowPins(support.windows, block_size)
         self.null_block = 0  # vLLM's null block id (read from its block pool when bound)
         self._exported: dict[str, int] = {}  # the guard's counters, as last exported
 
@@ -223,6 +226,10 @@ class SchedulerSide:
                 st.fetch_key = key
             self.stats.inc("lookup_deferred")
             return None, False  # async lookup (or a donor fetch's lookup) still running
+        if decision.is_hit and st.span is not None and not self.window_pins.pin(request, local):
+            self._release(st)  # vLLM's cache no longer gives the local window the span reads
+            decision = self._keep_exact(st, local, SemanticKVMatch.fallback(
+                request.request_id, FallbackReason.DONOR_STALE, local_prefix_tokens=local))
         st.decision, st.decided_for = decision, key
         count_decision(self.stats, decision, len(request.all_token_ids))
         self.stats.observe("lookup_seconds", time.perf_counter() - started)
@@ -402,6 +409,8 @@ class SchedulerSide:
                          self.index, self.bs)
 
     def _release(self, st: RequestState) -> None:
+        if not st.planned:  # else its op may still read them: released when it reports
+            self.window_pins.release(st.request.request_id)
         self._release_holds(st)
         st.span, st.fetching, st.planned = None, None, False
         st.decision, st.decided_for, st.answer = None, None, (0, False)
@@ -450,8 +459,11 @@ class SchedulerSide:
             st.planned = True
             return
         block_ids = blocks.get_block_ids()  # one list per KV-cache group
-        if st.span is not None:  # one group only (EngineSupport.realize)
-            self.pending_realizes.append(realize_op(st, block_ids[0]))
+        if st.span is not None:
+            pinned = (self.window_pins.local_ids(request.request_id) if self.support.per_group
+                      else None)
+            self.pending_realizes.append(realize_op(st, block_ids, null_block=self.null_block,
+                                                    pinned=pinned))
             request_only = True
         else:
             load = load_op(st, block_ids, self.bs, asynchronous=self.async_load,

@@ -1,9 +1,13 @@
 """A realization's reads and writes of engine pages (``realization.SpanRealizer``).
 
-- ``SpanReads``: per op, where every layer's local-prefix K/V (the request's own blocks) and
-  copied K/V (pinned donor-store slots) live; ``layer(kv, store)`` returns one layer's, token
-  ordered as the op places them.
-- ``write_span``: the realized span's K/V into the request's blocks, layer by layer.
+- ``SpanReads``: per op, where every layer's local-prefix K/V (the request's own blocks, those
+  of the layer's KV-cache group) and copied K/V (pinned donor-store slots) live;
+  ``layer(kv, store, group)`` returns one layer's, token ordered as the op places them.
+- ``write_span``: the realized span's K/V into the request's blocks (each layer's own),
+  layer by layer.
+
+NOTE: ``NO_BLOCK`` (vLLM's null block in a window group's table) is never written; read, its
+rows are zeros, never the null block's contents.
 
 Reads build their element offsets once per op (``PageLayout.token_index``: every layer's tensor
 has the same shape and the same slots or blocks), then gather each layer's tokens in one pass;
@@ -21,10 +25,12 @@ both against the page path).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from semkv.realize import KVCache
+from semkv_vllm.metadata import NO_BLOCK
 from semkv_vllm.page_layout import PageLayout, flat
 
 
@@ -32,23 +38,55 @@ def _page_numel(t: torch.Tensor) -> int:
     return int(t[0].numel())
 
 
+@dataclass(frozen=True)
+class _Local:
+    """One KV-cache group's local-prefix blocks: where their rows are, which rows are holes."""
+
+    blocks: torch.Tensor  # NO_BLOCK replaced by a readable block (its rows are holes)
+    index: tuple[torch.Tensor, torch.Tensor] | None  # one-pass offsets (None: page path)
+    holes: torch.Tensor | None  # rows of NO_BLOCK blocks, read as zeros (None: no hole)
+
+
 class SpanReads:
-    """One op's local-prefix rows and copied donor rows, gathered per layer."""
+    """One op's local-prefix rows and copied donor rows, gathered per layer.
+
+    ``local`` holds the first KV-cache group's local-prefix blocks (``kv``: one of its layers'
+    tensors); ``add_group`` registers another group's. ``NO_BLOCK`` there (a window group's
+    block out of every span token's window) reads as zeros: never attended to, never garbage.
+    """
 
     def __init__(self, layout: PageLayout, kv: torch.Tensor, store: torch.Tensor | None,
-                 local_blocks: torch.Tensor, slots: torch.Tensor, picked: torch.Tensor,
+                 local: torch.Tensor, slots: torch.Tensor, picked: torch.Tensor,
                  local_tokens: int, device: torch.device, heads: int, head_dim: int,
                  dtype: torch.dtype) -> None:
         self.layout, self.device = layout, device
-        self.local_blocks, self.slots, self.picked = local_blocks, slots, picked
+        self.slots, self.picked = slots, picked
+        self.local_tokens = local_tokens
         self.empty = torch.zeros(0, heads, head_dim, dtype=dtype, device=device)
         self.shape = (heads, head_dim)
-        self.local_index = self.copy_index = None
-        if local_blocks.numel() and flat(kv) is not None:
-            rows = torch.arange(local_tokens)
-            self.local_index = layout.token_index(local_blocks, rows, _page_numel(kv))
+        self._local: dict[int, _Local] = {}
+        self.add_group(0, kv, local)
+        self.copy_index = None
         if store is not None and slots.numel() and flat(store) is not None:
             self.copy_index = layout.token_index(slots, picked, _page_numel(store))
+
+    @property
+    def local_index(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._local[0].index
+
+    def add_group(self, group: int, kv: torch.Tensor, local: torch.Tensor) -> None:
+        """``group``'s local-prefix blocks (``kv``: one of its layers' tensors)."""
+        missing = local == NO_BLOCK
+        holes = None
+        if bool(missing.any()):
+            block = self.layout.block_size
+            holes = missing.repeat_interleave(block)[: self.local_tokens].to(self.device)
+            local = local.masked_fill(missing, 0)  # any readable block: its rows are zeroed
+        index = None
+        if local.numel() and flat(kv) is not None:
+            rows = torch.arange(self.local_tokens)
+            index = self.layout.token_index(local, rows, _page_numel(kv))
+        self._local[group] = _Local(local, index, holes)
 
     def _gather(self, t: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor],
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,16 +96,25 @@ class SpanReads:
         return (view.index_select(0, k_at).view(-1, *self.shape).to(self.device),
                 view.index_select(0, v_at).view(-1, *self.shape).to(self.device))
 
-    def layer(self, kv: torch.Tensor, store: torch.Tensor | None,
+    def _local_rows(self, kv: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        local = self._local[group]
+        if local.index is not None:
+            k, v = self._gather(kv, local.index)
+        else:
+            k, v = self.layout.read(kv.index_select(0, local.blocks.to(kv.device)))
+            k, v = k.to(self.device), v.to(self.device)
+        if local.holes is not None:
+            k, v = k.masked_fill(local.holes[:, None, None], 0), \
+                v.masked_fill(local.holes[:, None, None], 0)
+        return k, v
+
+    def layer(self, kv: torch.Tensor, store: torch.Tensor | None, group: int = 0,
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's local-prefix then copied K/V, ``[kv_heads, T, head_dim]`` each."""
+        """One layer's local-prefix then copied K/V, ``[kv_heads, T, head_dim]`` each (``kv``:
+        the layer's paged tensor, of KV-cache group ``group``)."""
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if self.local_blocks.numel():
-            if self.local_index is not None:
-                parts.append(self._gather(kv, self.local_index))
-            else:
-                k, v = self.layout.read(kv.index_select(0, self.local_blocks.to(kv.device)))
-                parts.append((k.to(self.device), v.to(self.device)))
+        if self._local[group].blocks.numel():
+            parts.append(self._local_rows(kv, group))
         if self.slots.numel():
             assert store is not None
             if self.copy_index is not None:
@@ -83,12 +130,31 @@ class SpanReads:
         return k.transpose(0, 1), v.transpose(0, 1)
 
 
-def write_span(layout: PageLayout, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
-               cache: KVCache, lo: int, hi: int) -> None:
-    """``cache``'s positions ``[lo, hi)`` (whole blocks) into ``block_ids`` of every layer's
-    paged tensor (``kv_caches[i]``: decoder layer i's), whole pages assembled by
-    ``PageLayout.write``."""
+def write_span(layout: PageLayout, kv_caches: Sequence[torch.Tensor],
+               block_ids: Sequence[Sequence[int]], cache: KVCache, lo: int, hi: int) -> None:
+    """``cache``'s positions ``[lo, hi)`` (whole blocks) into every layer's paged tensor
+    (``kv_caches[i]``: decoder layer i's) at its blocks ``block_ids[i]``, whole pages assembled
+    by ``PageLayout.write``; a ``NO_BLOCK`` page (vLLM's null block there) is not written."""
+    kept: dict[tuple[int, ...], tuple[list[int], torch.Tensor | None]] = {}
     for layer, kv in enumerate(kv_caches):
-        keys = cache.keys[layer][0, :, lo:hi].transpose(0, 1).to(kv.device)
-        values = cache.values[layer][0, :, lo:hi].transpose(0, 1).to(kv.device)
-        layout.write(kv, block_ids, keys, values)
+        ids = tuple(block_ids[layer])
+        if ids not in kept:
+            kept[ids] = _written(ids, layout.block_size)
+        blocks, rows = kept[ids]
+        if not blocks:
+            continue
+        keys = cache.keys[layer][0, :, lo:hi].transpose(0, 1)
+        values = cache.values[layer][0, :, lo:hi].transpose(0, 1)
+        if rows is not None:
+            keys, values = keys[rows], values[rows]
+        layout.write(kv, blocks, keys.to(kv.device), values.to(kv.device))
+
+
+def _written(ids: tuple[int, ...], block: int) -> tuple[list[int], torch.Tensor | None]:
+    """The blocks a span write fills, and its rows of the span (None: every row)."""
+    if NO_BLOCK not in ids:
+        return list(ids), None
+    pages = [i for i, b in enumerate(ids) if b != NO_BLOCK]
+    rows = (torch.as_tensor(pages, dtype=torch.long)[:, None] * block
+            + torch.arange(block)).flatten()
+    return [ids[i] for i in pages], rows

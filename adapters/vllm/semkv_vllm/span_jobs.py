@@ -159,8 +159,8 @@ class SpanJobs:
         try:
             start = w.timings.clock.mark()
             w.realizer.write(done)
-            for kv in w.kv_caches.values():
-                w._floor(op.kv_floor, kv, op.block_ids)
+            for name, kv in w.kv_caches.items():
+                w._floor(op.kv_floor, kv, op.span_blocks(w.group_of.get(name, 0)))
             spans = [*done.spans, (start, w.timings.clock.mark())]
         except Exception as exc:  # noqa: BLE001
             self.fail(op, type(exc).__name__)
@@ -178,7 +178,10 @@ class SpanJobs:
     def fail(self, op: RealizeOp, why: str) -> None:
         w = self.worker
         self._open.pop(op.request_id, None)
-        w._invalid_blocks.update(op.block_ids)
+        if op.groups is None:
+            w._invalid_blocks.update(op.block_ids)
+        else:  # a window group's dropped blocks, or several groups: per request (RealizeOp)
+            w._failed_recving.add(op.request_id)
         w._failed.add(op.request_id)
         w._loaded.pop(op.request_id, None)
         w.stats.inc("materialize_failed")

@@ -223,12 +223,13 @@ class WorkerSide:
         self._floor(op.kv_floor, kv, op.block_ids)
 
     def _floor(self, floor: str | None, kv: torch.Tensor, block_ids: list[int]) -> None:
-        """The ``kv_floor`` request option: round the KV just placed (one layer's blocks)."""
+        """The ``kv_floor`` request option: round the KV just placed (one layer's blocks; a
+        ``NO_BLOCK`` is vLLM's null block, never written)."""
         if floor is None:
             return
         if self.layout is None:
             raise RuntimeError("kv_floor needs the page layout (token-level access)")
-        round_blocks_fp8(kv, block_ids, self.layout)
+        round_blocks_fp8(kv, [b for b in block_ids if b != NO_BLOCK], self.layout)
 
     def _token_map(self, op: LoadOp) -> tuple[torch.Tensor, torch.Tensor]:
         """Per target token: index into the op's donor pages, and its position shift."""
