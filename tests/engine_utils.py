@@ -177,15 +177,16 @@ def one_by_one(llm: Any, prompts: list[str], max_tokens: int = 16) -> list[Any]:
 
 
 def generate_ids(llm: Any, ids: list[int] | str, max_tokens: int = 16,
-                 params: dict[str, Any] | None = None, cache_salt: str | None = None) -> Any:
+                 params: dict[str, Any] | None = None, cache_salt: str | None = None,
+                 logprobs: int | None = None) -> Any:
     """One greedy request of token ids (or of a text prompt); ``params``: its
     ``kv_transfer_params``; ``cache_salt``: its tenant's salt (vLLM's own, which semkv's
-    namespace includes)."""
+    namespace includes); ``logprobs``: vLLM's, per generated token."""
     from vllm import SamplingParams
 
     extra = None if params is None else {"kv_transfer_params": params}
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                        extra_args=extra)
+                        extra_args=extra, logprobs=logprobs)
     prompt: dict[str, Any] = ({"prompt": ids} if isinstance(ids, str)
                               else {"prompt_token_ids": ids})
     if cache_salt is not None:

@@ -92,8 +92,16 @@ def exact_tier(family_engine: tuple[str, Any, list[str]],
     monkeypatch.setattr(scheduler_side(family_engine[1]), "spans", None)
 
 
-def run(llm: Any, ids: list[int], max_tokens: int = 8, **options: Any) -> Any:
-    return generate_ids(llm, ids, max_tokens, request_params(**options) if options else None)
+def run(llm: Any, ids: list[int], max_tokens: int = 8, logprobs: int | None = None,
+        **options: Any) -> Any:
+    return generate_ids(llm, ids, max_tokens, request_params(**options) if options else None,
+                        logprobs=logprobs)
+
+
+def token_logprobs(out: Any) -> list[float]:
+    """The log-probability of each generated token."""
+    c = out.outputs[0]
+    return [lp[token].logprob for token, lp in zip(c.token_ids, c.logprobs, strict=True)]
 
 
 def worker_side() -> Any:
@@ -203,23 +211,95 @@ def test_a_failed_load_is_recomputed_as_cold(family_engine, exact_tier):
 LOCAL = 4 * BLOCK  # the target's first blocks, held by vLLM's own cache (two windows)
 
 
-def behind_a_local_window(llm: Any) -> tuple[list[int], list[int]]:
-    """(cold output, target): the target is a stored donor's document behind another
-    instruction, and vLLM's own cache holds its first ``LOCAL`` tokens (a prompt that ends
-    less than a block after them, so its window blocks are still cached)."""
+def behind_a_local_window(llm: Any, local: int = LOCAL,
+                          chars: int = 2600) -> tuple[Any, list[int]]:
+    """(cold output, with logprobs; target): the target is a stored donor's document
+    (``chars`` long) behind another instruction, and vLLM's own cache holds its first
+    ``local`` tokens (a prompt that ends less than a block after them, so its window blocks
+    are still cached)."""
     tok = llm.get_tokenizer()
-    doc, other = essay_prompts(2, chars=2600, seed=23)
+    doc, other = essay_prompts(2, chars=chars, seed=23)
     donor = tok("Summarize the following essay in one sentence.\n\n" + doc)["input_ids"]
     target = tok("Read the essay below, then list the three claims it argues most "
                  "forcefully, each with the sentence that supports it.\n\n" + doc)["input_ids"]
-    opener = target[:LOCAL] + tok(other)["input_ids"][:20]
+    opener = target[:local] + tok(other, add_special_tokens=False)["input_ids"][:20]
     llm.reset_prefix_cache(reset_connector=True)
-    cold = output_tokens(run(llm, target, **OUT_OF_IT))
+    cold = run(llm, target, logprobs=1, **OUT_OF_IT)
     llm.reset_prefix_cache(reset_connector=True)
     run(llm, donor, 1, lookup=False)  # semkv's donor
     llm.reset_prefix_cache()
     run(llm, opener, 1, **OUT_OF_IT)  # vLLM's own cache: the target's first blocks
     return cold, target
+
+
+def check_realized_behind_a_local_window(llm: Any, monkeypatch: pytest.MonkeyPatch,
+                                         cold: Any, target: list[int],
+                                         local: int) -> dict[str, Any]:
+    """``target`` realized at blend 1.0 behind vLLM's local hit of ``local`` tokens: every
+    window group's op reads real (pinned) blocks for the local window, some span blocks are
+    vLLM's null block (not written); the realized K/V, and what the request's pages hold in
+    every layer's own group, equal the layer runner's prefill of the whole target; the output
+    and its log-probabilities equal cold's; the null block is never written; every pin
+    released. Returns the request's summary."""
+    import torch
+    from semkv_vllm.metadata import NO_BLOCK
+    from semkv_vllm.realization import SpanRealizer
+
+    realized: dict[str, Any] = {}
+    pages: dict[str, Any] = {}  # each layer's written pages, read right after the write
+    write = SpanRealizer.write
+
+    def recording(self: Any, done: Any) -> None:
+        realized[done.op.request_id] = done
+        write(self, done)
+        for name, group in zip(self.layer_names, self.layer_groups, strict=True):
+            ids = [b for b in done.op.span_blocks(group) if b != NO_BLOCK]
+            pages[name] = self.kv_caches[name][torch.tensor(ids)].clone()
+
+    monkeypatch.setattr(SpanRealizer, "write", recording)
+    null = null_blocks()
+    out = run(llm, target, logprobs=1, save=False,
+              recompute={"strategy": "blend", "fraction": 1.0})
+    s = semkv_summary(out)
+    windows = scheduler_side(llm).support.windows
+    widest = max(w for w in windows if w)
+    assert s["provenance"] == "request_only_semantic_reuse", s
+    assert s["local_prefix_tokens"] == out.num_cached_tokens - s["external_tokens"] == local, s
+    assert s["confirmed_loaded_tokens"] == s["external_tokens"] >= 2 * widest, s
+    (done,) = realized.values()
+    for group, window in enumerate(windows):
+        ids = done.op.local_blocks(group)
+        # a window group's table dropped its local blocks; the op reads the pinned ones
+        held = ids[-(window // BLOCK):] if window else ids
+        assert NO_BLOCK not in held, (group, ids)
+    assert any(NO_BLOCK in done.op.span_blocks(g) for g, w in enumerate(windows) if w)
+
+    realizer = worker_side().realizer
+    reference, _ = realizer.runner.full_prefill(list(out.prompt_token_ids), all_logits=False)
+    lo, hi = done.op.local_tokens, done.op.span_tokens
+    for layer, name in enumerate(realizer.layer_names):
+        ids = done.op.span_blocks(realizer.layer_groups[layer])
+        rows = torch.tensor([lo + i * BLOCK + r for i, b in enumerate(ids) if b != NO_BLOCK
+                             for r in range(BLOCK)])
+        # NOTE: read at the write: a window group frees and reuses these blocks as the
+        # request's window moves on
+        paged = realizer.layout.read(pages[name])  # [tokens, heads, D] each
+        for part, got in enumerate((done.cache.keys[layer], done.cache.values[layer])):
+            want = (reference.keys, reference.values)[part][layer][0]
+            error = float((got[0, :, lo:hi] - want[:, lo:hi]).abs().max())
+            assert error <= kv_atol(want[:, lo:hi]), (layer, error)
+            page_error = float((paged[part] - want[:, rows].transpose(0, 1)).abs().max())
+            assert page_error <= kv_atol(want[:, rows]), (layer, name, page_error)
+    assert output_tokens(out) == output_tokens(cold)
+    drift = max(abs(a - b) for a, b in zip(token_logprobs(out), token_logprobs(cold),
+                                            strict=True))
+    assert drift <= LOGPROB_ATOL, drift
+    assert all(bool((a == b).all()) for a, b in zip(null, null_blocks(), strict=True)), (
+        "vLLM's null block was written")
+    assert len(scheduler_side(llm).window_pins) == 0
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    assert pool.get_usage() == 0.0  # every block back on the free queue: no pin leaked
+    return s
 
 
 def test_a_realized_span_reads_the_local_window_vllm_dropped_and_equals_cold(family_engine,
@@ -229,52 +309,10 @@ def test_a_realized_span_reads_the_local_window_vllm_dropped_and_equals_cold(fam
     copied token recomputed (blend at 1.0). Once the span counts as computed, vLLM's table
     holds its null block for those four blocks in every window group; semkv pins the ones the
     span's first tokens attend to from the decision to the worker's report
-    (``semkv_vllm.window_pins``). The realized K/V equals the layer runner's prefill of the
-    whole target in every layer; the output equals cold; the null block is never written;
-    every pin is released."""
-    from semkv_vllm.metadata import NO_BLOCK
-    from semkv_vllm.realization import SpanRealizer
-
-    family, llm, _ = family_engine
+    (``semkv_vllm.window_pins``): ``check_realized_behind_a_local_window``."""
+    _, llm, _ = family_engine
     cold, target = behind_a_local_window(llm)
-    realized: dict[str, Any] = {}
-    write = SpanRealizer.write
-
-    def recording(self: Any, done: Any) -> None:
-        realized[done.op.request_id] = done
-        write(self, done)
-
-    monkeypatch.setattr(SpanRealizer, "write", recording)
-    null = null_blocks()
-    out = run(llm, target, save=False, recompute={"strategy": "blend", "fraction": 1.0})
-    s = semkv_summary(out)
-    assert s["provenance"] == "request_only_semantic_reuse", (family, s)
-    assert s["local_prefix_tokens"] == out.num_cached_tokens - s["external_tokens"] == LOCAL, s
-    assert s["confirmed_loaded_tokens"] == s["external_tokens"] >= 4 * WINDOW, s
-    (done,) = realized.values()
-    windows = scheduler_side(llm).support.windows
-    for group, window in enumerate(windows):
-        ids = done.op.local_blocks(group)
-        # a window group's table dropped its local blocks; the op reads the pinned ones
-        held = ids[-(window // BLOCK):] if window else ids
-        assert NO_BLOCK not in held, (group, ids)
-    assert any(NO_BLOCK in done.op.span_blocks(g) for g, w in enumerate(windows) if w)
-
-    runner = worker_side().realizer.runner
-    reference, _ = runner.full_prefill(list(out.prompt_token_ids), all_logits=False)
-    lo, hi = done.op.local_tokens, done.op.span_tokens
-    for layer in range(runner.num_layers):
-        for got, want in ((done.cache.keys[layer], reference.keys[layer]),
-                          (done.cache.values[layer], reference.values[layer])):
-            want = want[0, :, lo:hi]
-            error = float((got[0, :, lo:hi] - want).abs().max())
-            assert error <= kv_atol(want), (family, layer, error)
-    assert output_tokens(out) == cold, family
-    assert all(bool((a == b).all()) for a, b in zip(null, null_blocks(), strict=True)), (
-        "vLLM's null block was written")
-    assert len(scheduler_side(llm).window_pins) == 0
-    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
-    assert pool.get_usage() == 0.0  # every block back on the free queue: no pin leaked
+    check_realized_behind_a_local_window(llm, monkeypatch, cold, target, LOCAL)
 
 
 def test_a_failed_realization_is_recomputed_as_cold_and_its_pins_released(family_engine):
@@ -295,7 +333,7 @@ def test_a_failed_realization_is_recomputed_as_cold_and_its_pins_released(family
     s = semkv_summary(out)
     assert (s["provenance"], s["fallback_reason"]) == ("exact_local_prefix_hit", "load_failed")
     assert s["local_prefix_tokens"] == LOCAL and s["confirmed_loaded_tokens"] == 0, s
-    assert output_tokens(out) == cold, family
+    assert output_tokens(out) == output_tokens(cold), family
     delta = {k: v - before.get(k, 0.0) for k, v in semkv_metrics_by_label(llm).items()}
     assert delta.get("vllm:semkv_materialize_failed") == 1, delta
     assert all(bool((a == b).all()) for a, b in zip(null, null_blocks(), strict=True))

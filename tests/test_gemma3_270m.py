@@ -13,7 +13,12 @@ attention, vLLM's hybrid KV-cache manager left on.
   which vLLM's own cache dropped from its window groups, is served too, output equal to cold;
 - the Gemma layer runner (``semkv_vllm.models.gemma``) on the real weights: its prefill of a
   1,400-token prompt (its windows crossed) gives the engine's next-token log-probabilities,
-  and without the windows it does not.
+  and without the windows it does not;
+- a one-donor realized span on its six KV-cache groups, behind 640 tokens of vLLM's own
+  cache (``tests/test_engine_kv_groups.check_realized_behind_a_local_window``): at blend 1.0
+  its K/V equals the runner's prefill and its output equals cold. The gate is off here
+  (``ungated``): no policy ships for this model yet, so the README's mode refuses such plans
+  as ``uncertified_class``.
 """
 
 from __future__ import annotations
@@ -36,8 +41,13 @@ from tests.engine_utils import (  # noqa: E402
     generate_ids,
     output_tokens,
     runner_prefill_logprob_error,
+    scheduler_side,
     semkv_summary,
     token_texts,
+)
+from tests.test_engine_kv_groups import (  # noqa: E402
+    behind_a_local_window,
+    check_realized_behind_a_local_window,
 )
 
 pytestmark = pytest.mark.engine
@@ -57,9 +67,19 @@ def folder() -> Path:
 @pytest.fixture(scope="module")
 def llm(folder: Path) -> Iterator[Any]:
     with engine({"provider": "minhash", "semantic_mode": "materialize_semantic",
-                 "request_options": True}, in_process=True, model=str(folder),
+                 "request_options": True,
+                 # realized spans' mechanics: every class, unpriced (no policy ships for it)
+                 "gate_policy": "ungated", "realize_min_gain": 0.0,
+                 "request_overrides": ["recompute"]}, in_process=True, model=str(folder),
                 scheduler_cls="semkv_vllm.commit_policy.CommitPolicyScheduler") as e:
         yield e
+
+
+@pytest.fixture
+def exact_tier(llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Realized spans off in the scheduler for one test: these prompts repeat one essay, so a
+    realized span could copy more than the stored prefix and win (as it should)."""
+    monkeypatch.setattr(scheduler_side(llm), "spans", None)
 
 
 def test_the_converted_model_is_gemma3_and_its_tokenizer_adds_bos(folder: Path) -> None:
@@ -77,7 +97,7 @@ def run(llm: Any, ids: list[int], max_tokens: int = 8, params: Any = None) -> An
     return generate_ids(llm, ids, max_tokens, params)
 
 
-def test_a_stored_prefix_is_served_as_vllms_own_hit(llm: Any) -> None:
+def test_a_stored_prefix_is_served_as_vllms_own_hit(llm: Any, exact_tier: None) -> None:
     bos = llm.get_tokenizer().bos_token_id
     shared, tail, body = token_texts(llm, 300, PREFIX - 1 + 7, 9, PROMPT - PREFIX)
     shared = [bos, *shared]  # as the tokenizer would start it
@@ -97,7 +117,7 @@ def test_a_stored_prefix_is_served_as_vllms_own_hit(llm: Any) -> None:
     assert output_tokens(out) == output_tokens(own)
 
 
-def test_a_prefix_inside_a_longer_prompt_is_served(llm: Any) -> None:
+def test_a_prefix_inside_a_longer_prompt_is_served(llm: Any, exact_tier: None) -> None:
     bos = llm.get_tokenizer().bos_token_id
     shared, tail, body = token_texts(llm, 400, PREFIX - 1, 24 * BLOCK, PROMPT - PREFIX)
     shared = [bos, *shared]
@@ -121,8 +141,21 @@ def test_a_prefix_inside_a_longer_prompt_is_served(llm: Any) -> None:
 def test_the_gemma_runner_on_the_real_weights_gives_the_engines_logprobs(llm: Any) -> None:
     bos = llm.get_tokenizer().bos_token_id
     ids = [bos, *token_texts(llm, 500, 1400)[0]]
+    llm.reset_prefix_cache(reset_connector=True)  # no donor: the engine prefills it all
     error, same = runner_prefill_logprob_error(llm, ids)
     dropped, _ = runner_prefill_logprob_error(llm, ids, without="windows")
     print(f"Gemma 3 270M runner vs engine: {error:.1e}; without its windows: {dropped:.2f}")
     assert error <= 1e-3 and same, error
     assert dropped > 1e-2, dropped  # the 512-token windows matter at this length
+
+
+def test_a_realized_span_on_its_six_groups_equals_cold(llm: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """One donor's document behind another instruction, 20 blocks of the target held by vLLM's
+    own cache (its 512-token window passes them once the span counts as computed): realized at
+    blend 1.0 over the six KV-cache groups, K/V as the runner's prefill, output as cold."""
+    local = 20 * BLOCK
+    cold, target = behind_a_local_window(llm, local, chars=9000)
+    assert len(target) >= local + 2 * 512, len(target)
+    s = check_realized_behind_a_local_window(llm, monkeypatch, cold, target, local)
+    print(f"Gemma 3 270M realized span: {s['span']}")
