@@ -203,6 +203,19 @@ def output_tokens(out: Any) -> list[int]:
     return list(out.outputs[0].token_ids)
 
 
+def token_logprobs(out: Any) -> list[float]:
+    """The log-probability of each generated token (requested with ``logprobs``)."""
+    c = out.outputs[0]
+    return [lp[token].logprob for token, lp in zip(c.token_ids, c.logprobs, strict=True)]
+
+
+def worker_side() -> Any:
+    """The in-process engine's worker connector (its KV caches and donor store)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()._worker
+
+
 def scheduler_side(llm: Any) -> Any:
     """The connector's scheduler side of an in-process engine."""
     return llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler

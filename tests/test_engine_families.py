@@ -40,11 +40,14 @@ from tests.engine_utils import (  # noqa: E402
     essay_prompts,
     in_process,
     runner_prefill_logprob_error,
+    token_logprobs,
+    worker_side,
 )
 from tests.test_engine_realization import (  # noqa: E402
     EXTRA,
     check_every_token_a_gap,
     copied,
+    kv_atol,
     rag_cluster,
     recorder,
     research_selection,
@@ -105,6 +108,19 @@ def test_blend_recomputing_every_copied_token_equals_cold(llm, recorder):
     assert plan.copied_tokens >= 64 and plan.shifted_tokens > 0, plan.summary()
     assert list(out["realized"].recomputed) == copied(plan)
     assert out["warm"].outputs[0].token_ids == out["cold"].outputs[0].token_ids
+    drift = max(abs(a - b) for a, b in zip(token_logprobs(out["warm"]),
+                                            token_logprobs(out["cold"]), strict=True))
+    assert drift <= LOGPROB_ATOL, drift
+    # the span's K/V (what the worker wrote into the request's pages) is the full prefill's
+    realized = out["realized"]
+    runner = worker_side().realizer.runner
+    reference, _ = runner.full_prefill(list(out["warm"].prompt_token_ids), all_logits=False)
+    lo, hi = realized.op.local_tokens, realized.op.span_tokens
+    for layer in range(runner.num_layers):
+        for got, want in ((realized.cache.keys[layer], reference.keys[layer]),
+                          (realized.cache.values[layer], reference.values[layer])):
+            error = float((got[0, :, lo:hi] - want[0, :, lo:hi]).abs().max())
+            assert error <= kv_atol(want[0, :, lo:hi]), (layer, error)
 
 
 def long_prompt(llm: Any) -> list[int]:

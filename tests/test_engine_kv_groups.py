@@ -43,7 +43,9 @@ from tests.engine_utils import (  # noqa: E402
     scheduler_side,
     semkv_metrics_by_label,
     semkv_summary,
+    token_logprobs,
     token_texts,
+    worker_side,
 )
 from tests.test_engine_families import LOGPROB_ATOL, long_prompt  # noqa: E402
 from tests.test_engine_realization import kv_atol  # noqa: E402
@@ -97,18 +99,6 @@ def run(llm: Any, ids: list[int], max_tokens: int = 8, logprobs: int | None = No
     return generate_ids(llm, ids, max_tokens, request_params(**options) if options else None,
                         logprobs=logprobs)
 
-
-def token_logprobs(out: Any) -> list[float]:
-    """The log-probability of each generated token."""
-    c = out.outputs[0]
-    return [lp[token].logprob for token, lp in zip(c.token_ids, c.logprobs, strict=True)]
-
-
-def worker_side() -> Any:
-    """The in-process engine's worker connector (its KV caches and donor store)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    return get_kv_transfer_group()._worker
 
 
 def null_blocks() -> list[Any]:

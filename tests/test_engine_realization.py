@@ -169,7 +169,7 @@ def cold_then_donors(llm: Any, donors: list[str], target: str) -> Any:
     """The target's cold output (nothing stored), then the donors served and forgotten by vLLM's
     prefix cache but kept in semkv's store: the target's next run can only be realized."""
     llm.reset_prefix_cache(reset_connector=True)
-    cold = run(llm, target)
+    cold = run(llm, target, logprobs=1)
     llm.reset_prefix_cache(reset_connector=True)  # the target must not be its own donor
     for d in donors:
         run(llm, d, max_tokens=1)
@@ -317,7 +317,7 @@ def serve(llm: Any, recorder: Recorder, donors: list[str], target: str,
     """Cold, then the donors, then the target realized under ``strategy`` (its options)."""
     cold = cold_then_donors(llm, donors, target)
     before = semkv_metrics(llm)
-    warm = run(llm, target, recompute={
+    warm = run(llm, target, logprobs=1, recompute={
         "strategy": strategy.kind.value, "fraction": strategy.fraction,
         "first_k": strategy.first_k, "probe_layers": strategy.probe_layers})
     after = semkv_metrics(llm)
