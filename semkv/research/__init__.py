@@ -1,6 +1,7 @@
 """Research use without a serving engine: non-prefix KV reuse, re-rotation and recompute.
 
-Protocol (Hugging Face transformers, Llama models (``model_type == "llama"``), fp32 on CPU)::
+Protocol (Hugging Face transformers; the families of ``semkv.realize.family``: ``model_type``
+llama, mistral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text; fp32 on CPU)::
 
     from semkv.research import LayerwiseModel, DonorStore, plan_reuse, Strategy, prefill
 
