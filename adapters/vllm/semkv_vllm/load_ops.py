@@ -65,13 +65,14 @@ def realize_op(st: RequestState, block_ids: tuple[list[int], ...], *, null_block
 
 
 def load_op(st: RequestState, block_ids: tuple[list[int], ...], block_size: int, *,
-            asynchronous: bool, null_block: int) -> LoadOp:
-    """``block_ids``: the request's blocks of each KV-cache group (vLLM's ``get_block_ids``)."""
+            asynchronous: bool, null_block: int, per_group: bool = False) -> LoadOp:
+    """``block_ids``: the request's blocks of each KV-cache group (vLLM's ``get_block_ids``);
+    ``per_group``: the engine has a window group or several (``EngineSupport.per_group``)."""
     d = st.decision
     assert d is not None
     first = d.local_prefix_tokens // block_size
     targets, groups = block_groups(block_ids, first, d.external_prefix_tokens // block_size,
-                                   null_block)
+                                   null_block, per_group=per_group)
     op = LoadOp(st.request.request_id, list(st.pinned), list(st.generations), targets,
                 asynchronous=asynchronous,
                 kv_floor=st.options.kv_floor if st.options is not None else None,

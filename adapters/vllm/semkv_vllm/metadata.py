@@ -26,12 +26,14 @@ NO_BLOCK = -1  # a window group holds no block at this position (vLLM's null blo
 
 
 def block_groups(ids_per_group: tuple[list[int], ...] | list[list[int]], first: int,
-                 count: int, null_block: int) -> tuple[list[int], list[list[int]] | None]:
+                 count: int, null_block: int, *, per_group: bool = False,
+                 ) -> tuple[list[int], list[list[int]] | None]:
     """Blocks ``[first, first + count)`` of a request, as an op carries them: the first
-    group's, and every group's where there are several; vLLM's null block as ``NO_BLOCK``."""
+    group's, and every group's where there are several or ``per_group`` (a window group: its
+    op's failure is reported per request); vLLM's null block as ``NO_BLOCK``."""
     groups = [[NO_BLOCK if b == null_block else b for b in ids[first : first + count]]
               for ids in ids_per_group]
-    return groups[0], (groups if len(groups) > 1 else None)
+    return groups[0], (groups if len(groups) > 1 or per_group else None)
 
 
 @dataclass
@@ -42,8 +44,9 @@ class LoadOp:
     semantic tiers: ``slots`` hold donor blocks ``donor_first_block`` onwards, and ``segments``
     ``(target position, donor position, length)`` say which donor token serves each target
     position from ``target_start`` on; keys are re-rotated where the two positions differ.
-    Several KV-cache groups (exact tier only): ``groups`` holds each group's blocks, aligned
-    with ``slots`` (``block_ids`` is the first group's); a group's layers get its own blocks.
+    Several KV-cache groups, or a sliding-window one (exact tier only): ``groups`` holds each
+    group's blocks, aligned with ``slots`` (``block_ids`` is the first group's); a group's
+    layers get its own blocks, and a failure is reported per request (``RealizeOp`` says why).
     NOTE: ``NO_BLOCK`` marks a position whose block a window group does not hold (vLLM's null
     block there): that block is neither read nor written.
     """

@@ -112,9 +112,11 @@ class SchedulerSide:
         # prefix, None while its lookup runs. Such stores load between steps.
         self.shared_lookup = shared_lookup
         # NOTE: with several KV-cache groups a failed load can only be reported per request
-        # (vLLM maps invalid block ids back to requests for one group only): asynchronous
+        # (vLLM maps invalid block ids back to requests for one group only), and with a window
+        # group it must be (vLLM's invalid-block recovery restarts inside the failed load,
+        # whose window lies in blocks the group dropped): asynchronous
         self.async_load = (config.async_load or shared_lookup is not None
-                           or support.groups > 1)
+                           or support.per_group)
         self.materialize = config.semantic_mode.materializes
         self.index = StoreIndex(num_slots)
         self.leases = LeaseTable()
@@ -467,7 +469,7 @@ class SchedulerSide:
             request_only = True
         else:
             load = load_op(st, block_ids, self.bs, asynchronous=self.async_load,
-                           null_block=self.null_block)
+                           null_block=self.null_block, per_group=self.support.per_group)
             self.pending_loads.append(load)
             request_only = load.segments is not None
         if request_only:
