@@ -144,10 +144,20 @@ def test_a_policy_for_another_model_is_refused(tmp_path: Path, policy_data: dict
         check_model(read_policy(path), bundled_identity, path)
 
 
-def test_auto_without_a_shipped_policy_serves_no_class(tmp_path: Path, bundled_identity) -> None:  # noqa: ANN001
-    other = bundled_identity.__class__("f" * 32, "llama/X", "float32", "auto")
+def test_auto_without_a_shipped_policy_serves_no_class(tmp_path: Path, bundled_identity,  # noqa: ANN001
+                                                       caplog) -> None:  # noqa: ANN001
+    import logging
+
+    caplog.set_level(logging.INFO, logger="semkv")
+    other = bundled_identity.__class__("f" * 32, "gemma3_text/Gemma3ForCausalLM", "bfloat16",
+                                       "auto")
     gate = ClassGate.from_config(SemkvConfig.load({}), other)
     assert gate.policy is None and "ships no gate policy" in gate.source
+    # the start-up line says it legibly (a value of 96+ characters would be redacted)
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "gate_policy_none" in logged and "redacted" not in logged, logged
+    for said in ("Gemma3ForCausalLM", "bfloat16", "f" * 32, "semkv calibrate --model"):
+        assert said in logged, said
     engine = RecomputeStrategy()
     for cls in PlanClass:
         assert gate.strategy(cls, engine, 4096) is FallbackReason.UNCERTIFIED_CLASS

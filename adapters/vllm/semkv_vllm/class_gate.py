@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from semkv.config import SemkvConfig
-from semkv.gate_policy import CALIBRATE_HINT, UNGATED, GatePolicy, resolve_policy
-from semkv.log import get_logger
+from semkv.gate_policy import UNGATED, GatePolicy, resolve_policy
+from semkv.log import MAX_STRING, get_logger
 from semkv.model_identity import ModelIdentity, ModelIdentityError, model_identity
 from semkv.plan_class import PlanClass
 from semkv.realize.recompute import RecomputeStrategy
@@ -58,7 +58,7 @@ def engine_identity(vllm_config: Any) -> ModelIdentity | None:
         return model_identity(folder, dtype=str(dtype_name(mc.dtype)),
                               kv_cache_dtype=str(dtype_name(cc.cache_dtype)))
     except ModelIdentityError as exc:
-        log.warning("gate_policy_no_model_identity", why=str(exc))
+        log.warning("gate_policy_no_model_identity", why=str(exc)[: MAX_STRING - 1])
         return None
 
 
@@ -74,9 +74,16 @@ class ClassGate:
             log.warning("gate_policy_ungated", served="every plan class",
                         note="measurement only: semkv calibrate, semkv bench --preset frontier")
         elif policy is None:
-            log.warning("gate_policy_none", why=source,
+            # NOTE: every value short: a log line redacts strings of MAX_STRING characters or
+            # more as payload (the identity's description and the hint are longer)
+            model = ({} if identity is None else {
+                "why": "semkv ships no gate policy for this model",
+                "model": identity.architecture[:MAX_STRING - 1], "dtype": identity.dtype,
+                "kv_cache_dtype": identity.kv_cache_dtype, "digest": identity.digest})
+            log.warning("gate_policy_none", **({"why": source[:MAX_STRING - 1]} | model),
                         counted_as="vllm:semkv_realize_refused_total{reason=class}",
-                        how=CALIBRATE_HINT)
+                        how="semkv calibrate --model <folder> --out policy.json",
+                        then="gate_policy: policy.json")
         else:
             log.info("gate_policy_loaded", source=source,
                      served=[c.value for c in policy.served_classes()])
