@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from semkv_vllm.bench.calibrate import CalibrateError, Options, parse_engine_arg, rows_path
+from semkv_vllm.bench.calibrate import (
+    CalibrateError,
+    Options,
+    model_and_dtype,
+    parse_engine_arg,
+    rows_path,
+)
 from semkv_vllm.class_gate import ClassGate
 
 from semkv.calibrate import build_policy, measure, policy_json, summary_table, write_policy
@@ -230,6 +236,24 @@ def test_engine_args_and_options() -> None:
     with pytest.raises(CalibrateError, match="unknown strategy"):
         Options(strategies=("first_k16",)).validate()
     Options().validate()
+
+
+def test_a_bundled_models_name_is_its_converted_folder_served_in_fp32(monkeypatch, tmp_path):
+    import semkv.bundled_model as bundled
+
+    made: list[str] = []
+
+    def ensure(name: str = bundled.DEFAULT) -> Path:  # converting is measured elsewhere
+        made.append(name)
+        return tmp_path / name
+
+    monkeypatch.setattr(bundled, "ensure_model", ensure)
+    assert model_and_dtype(Options(model="gemma3-270m")) == (str(tmp_path / "gemma3-270m"),
+                                                             "float32")
+    assert model_and_dtype(Options()) == (str(tmp_path / "smollm2-135m"), "float32")
+    assert model_and_dtype(Options(model="gemma3-270m", dtype="bfloat16"))[1] == "bfloat16"
+    assert model_and_dtype(Options(model="/models/x")) == ("/models/x", "auto")
+    assert made == ["gemma3-270m", "smollm2-135m", "gemma3-270m"]
 
 
 def _calibrate(*args: str) -> subprocess.CompletedProcess[str]:

@@ -45,7 +45,7 @@ from semkv.eval.model import ClusterKind
 DEFAULT_STRATEGIES = ("realized:first_k16", "realized:first_k16+blend15")
 DEFAULT_KINDS = ("cross_instruction", "cross_instruction_task_first", "paraphrased_lead_in",
                  "multi_passage_rag", "reordered_chunks")
-BUNDLED_DTYPE = "float32"  # the operator guide serves the bundled model in fp32 on CPU
+BUNDLED_DTYPE = "float32"  # the operator guide serves the bundled models in fp32 on CPU
 SIZING_BLOCK = 128  # vLLM-CPU's default block size, for sizing when --block-size is not given
 
 
@@ -195,6 +195,16 @@ def _max_model_len(opts: Options, config: BenchConfig, wl: Any, lines: dict[str,
     return opts.max_model_len
 
 
+def model_and_dtype(opts: Options) -> tuple[str, str]:
+    """``--model`` as the engine loads it (a bundled model's name: its converted folder, made
+    once) and ``--dtype`` (default: ``float32`` for a bundled model, else ``auto``)."""
+    from semkv.bundled_model import DEFAULT, MODELS, ensure_model
+
+    bundled = opts.model is None or opts.model in MODELS
+    model = str(ensure_model(opts.model or DEFAULT)) if bundled else str(opts.model)
+    return model, opts.dtype or (BUNDLED_DTYPE if bundled else "auto")
+
+
 def calibrate(opts: Options, *, command: str = "semkv calibrate") -> dict[str, Any]:
     """Measure, decide, write the policy and the rows; the result holds both and the table."""
     started = time.time()
@@ -203,18 +213,16 @@ def calibrate(opts: Options, *, command: str = "semkv calibrate") -> dict[str, A
     from semkv_vllm.bench.engine import configure_process, engine_connector
 
     configure_process(opts.cores or f"0-{max(1, os.cpu_count() or 1) - 1}")
-    from semkv.bundled_model import ensure_model
     from semkv.calibrate import build_policy, measure, summary_table, write_policy
     from semkv.kv_sizing import kv_cache_bytes
     from semkv_vllm.bench.frontier import most_donors, run_frontier
     from semkv_vllm.class_gate import engine_identity, model_folder
 
-    model = opts.model or str(ensure_model())
+    model, dtype = model_and_dtype(opts)
     folder = model_folder(model, opts.engine_args.get("revision"))
     if folder is None:
         raise CalibrateError(f"--model {model!r}: neither a folder nor a Hugging Face model in "
                              "the local cache (download it first: its files are measured)")
-    dtype = opts.dtype or (BUNDLED_DTYPE if opts.model is None else "auto")
     config = BenchConfig(
         preset="calibrate", arms=(COLD, FLOOR, *opts.strategies), kinds=opts.kinds,
         clusters_per_type=opts.targets_per_kind, target_tokens=opts.target_tokens,
