@@ -93,6 +93,21 @@ def test_the_converted_model_is_gemma3_and_its_tokenizer_adds_bos(folder: Path) 
     assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
 
 
+def test_semkv_ships_its_calibrated_policy_and_the_engine_would_pick_it(folder: Path) -> None:
+    """``semkv calibrate --model gemma3-270m`` wrote it (docs/calibrate.md): keyed by the
+    converted folder's identity at float32, it serves ``one_donor_in_order`` only."""
+    from semkv.gate_policy import resolve_policy
+    from semkv.model_identity import model_identity
+    from semkv.plan_class import PlanClass
+
+    identity = model_identity(folder, dtype="float32", kv_cache_dtype="auto")
+    policy, source = resolve_policy("auto", identity)
+    assert policy is not None and source == "shipped:gemma3-270m-float32.json", source
+    assert policy.served_classes() == [PlanClass.ONE_DONOR_IN_ORDER]
+    bf16 = model_identity(folder, dtype="bfloat16", kv_cache_dtype="auto")
+    assert resolve_policy("auto", bf16)[0] is None  # another dtype: none applies
+
+
 def run(llm: Any, ids: list[int], max_tokens: int = 8, params: Any = None) -> Any:
     return generate_ids(llm, ids, max_tokens, params)
 

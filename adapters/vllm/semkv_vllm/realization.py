@@ -40,6 +40,10 @@ advances by the same plan-determined amount, so the projections' all-reduces pai
 bounds what a realization adds to a busy step: ``TOKEN_LAYERS_PER_STEP`` (a fifteenth of
 what one 1,024-token prefill chunk computes in a step), in whole layer calls of at most one
 chunk each, so a long span never runs a full layer over all its tokens in one step.
+NOTE: with sliding-window or several KV-cache groups each decoder layer reads its local prefix
+from and writes the span into its own group's blocks (``RealizeOp.groups``, ``group_of`` at
+build); a window group's local window is pinned for the op by the scheduler
+(``window_pins.py``), and a ``NO_BLOCK`` there reads as zeros and is never written.
 NOTE: the paged blocks are written between steps, before the request can be scheduled again.
 vLLM frees the blocks of a request that finished while waiting for remote KV only after we
 report it received, so no block is ever reused under a realization. The donor slots read are
