@@ -38,6 +38,9 @@ from typing import Any
 
 import torch
 
+from semkv.research.floor import fp8_floor_logits as fp8_floor
+from semkv.research.floor import logits_kl as kl
+
 KINDS = ("multi_passage_rag", "reordered_chunks", "quoted_section", "cross_instruction")
 RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
 
@@ -55,28 +58,6 @@ def arms(names: list[str] | None = None) -> list[Any]:
                 Strategy.first_k_query(16, r), Strategy.oracle(r), Strategy.progressive(r),
                 Strategy.shift(r), Strategy.queryv(r)]
     return out
-
-
-def kl(cold: torch.Tensor, other: torch.Tensor) -> float:
-    p = torch.log_softmax(cold.double(), -1)
-    q = torch.log_softmax(other.double(), -1)
-    return float((p.exp() * (p - q)).sum())
-
-
-def fp8_floor(lm: Any, target: list[int]) -> torch.Tensor:
-    """The last token's logits over the cold KV of the others rounded through fp8."""
-    from semkv.realize.fp8 import round_fp8
-    from semkv.realize.recompute import RecomputeStrategy, recompute
-
-    n = len(target)
-    cache, _ = lm.full_prefill(target, all_logits=False)
-    for part in (cache.keys, cache.values):  # one scale per layer and K / V, as the engine's
-        for i, t in enumerate(part):
-            part[i] = round_fp8(t)
-    done = recompute(lm, cache, range(n), [(0, n - 1)], dict(enumerate(target)),
-                     RecomputeStrategy(), n)
-    assert done.hidden is not None
-    return lm.logits(done.hidden[:, -1:])[-1]
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:

@@ -36,15 +36,12 @@ from typing import Any
 
 import torch
 
+from semkv.research.floor import fp8_floor_logits as floor_logits
+from semkv.research.floor import logits_kl as kl
+
 KINDS = ("cross_instruction", "reordered_chunks", "multi_passage_rag")
 # distance bins (tokens from the seam), the last one open
 EDGES = (0, 32, 64, 128, 256, 512, 768, 1024, 1536)
-
-
-def kl(cold: torch.Tensor, other: torch.Tensor) -> float:
-    p = torch.log_softmax(cold.double(), -1)
-    q = torch.log_softmax(other.double(), -1)
-    return float((p.exp() * (p - q)).sum())
 
 
 def relative(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -60,22 +57,6 @@ def bin_of(distance: int) -> int:
 def seam_distances(plan: Any) -> dict[int, int]:
     """Copied position -> its distance from the start of its copied run."""
     return {seg.target_start + i: i for seg in plan.segments for i in range(seg.length)}
-
-
-def floor_logits(lm: Any, target: list[int]) -> torch.Tensor:
-    """The last token's logits over the cold KV of the others rounded through fp8."""
-    from semkv.realize.fp8 import round_fp8
-    from semkv.realize.recompute import RecomputeStrategy, recompute
-
-    n = len(target)
-    cache, _ = lm.full_prefill(target, all_logits=False)
-    for part in (cache.keys, cache.values):
-        for i, t in enumerate(part):
-            part[i] = round_fp8(t)
-    done = recompute(lm, cache, range(n), [(0, n - 1)], dict(enumerate(target)),
-                     RecomputeStrategy(), n)
-    assert done.hidden is not None
-    return lm.logits(done.hidden[:, -1:])[-1]
 
 
 def measure_target(lm: Any, ids: list[int], plan: Any, store: Any) -> dict[str, Any]:
