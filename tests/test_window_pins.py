@@ -30,7 +30,7 @@ class FakeLookup:
         return self.hit, min(self.found, max_length), 0
 
 
-def setup(found: int = 4 * BLOCK) -> tuple[WindowPins, BlockPool, list[Any]]:
+def setup(found: int = 4 * BLOCK) -> tuple[WindowPins, BlockPool, list[Any], Any]:
     pool = BlockPool(16, True, BLOCK)
     blocks = pool.get_new_blocks(6)  # as a finished request leaves them: cached, then freed
     pool.free_blocks(blocks)
@@ -38,8 +38,8 @@ def setup(found: int = 4 * BLOCK) -> tuple[WindowPins, BlockPool, list[Any]]:
     # group 0: full attention, the whole hit; group 1: a 64-token window, the last two blocks
     hit = (blocks[:4], [null, null, blocks[4], blocks[5]])
     pins = WindowPins((None, 2 * BLOCK), BLOCK)
-    pins.kv_cache_manager = SimpleNamespace(coordinator=FakeLookup(hit, found), block_pool=pool)
-    return pins, pool, blocks
+    manager = SimpleNamespace(coordinator=FakeLookup(hit, found), block_pool=pool)
+    return pins, pool, blocks, manager
 
 
 def request(rid: str = "r") -> Any:
@@ -47,9 +47,9 @@ def request(rid: str = "r") -> Any:
 
 
 def test_the_window_groups_local_blocks_leave_the_free_queue_until_released() -> None:
-    pins, pool, blocks = setup()
+    pins, pool, blocks, manager = setup()
     free = pool.get_num_free_blocks()
-    assert pins.pin(request(), 4 * BLOCK)
+    assert pins.pin(request(), 4 * BLOCK, manager)
     assert pool.get_num_free_blocks() == free - 2
     assert [b.ref_cnt for b in blocks] == [0, 0, 0, 0, 1, 1]  # the full group is vLLM's
     assert pins.local_ids("r") == {1: [NO_BLOCK, NO_BLOCK, blocks[4].block_id,
@@ -62,20 +62,20 @@ def test_the_window_groups_local_blocks_leave_the_free_queue_until_released() ->
 
 
 def test_a_second_decision_releases_the_first_pins() -> None:
-    pins, pool, blocks = setup()
+    pins, pool, blocks, manager = setup()
     free = pool.get_num_free_blocks()
-    assert pins.pin(request(), 4 * BLOCK) and pins.pin(request(), 4 * BLOCK)
+    assert pins.pin(request(), 4 * BLOCK, manager) and pins.pin(request(), 4 * BLOCK, manager)
     assert pool.get_num_free_blocks() == free - 2 and blocks[4].ref_cnt == 1
     pins.release("r")
     assert pool.get_num_free_blocks() == free
 
 
 def test_nothing_is_pinned_without_a_window_a_local_prefix_or_the_hit() -> None:
-    pins, pool, _ = setup(found=2 * BLOCK)  # vLLM's cache gives less than the decision saw
+    pins, pool, _, manager = setup(found=2 * BLOCK)  # vLLM's cache gives less than the decision saw
     free = pool.get_num_free_blocks()
-    assert not pins.pin(request(), 4 * BLOCK)
-    assert pins.pin(request(), 0)  # no local prefix: nothing to read
+    assert not pins.pin(request(), 4 * BLOCK, manager)
+    assert pins.pin(request(), 0, manager)  # no local prefix: nothing to read
     full = WindowPins((None,), BLOCK)
-    assert full.pin(request(), 4 * BLOCK)  # full attention only: vLLM keeps every block
+    assert full.pin(request(), 4 * BLOCK, manager)  # full attention only: vLLM keeps every block
     assert pool.get_num_free_blocks() == free and len(pins) == len(full) == 0
     assert pins.local_ids("r") == {}

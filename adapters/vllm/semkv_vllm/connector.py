@@ -316,7 +316,6 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
         super().bind_kv_cache_manager(kv_cache_manager)
         if self._scheduler is not None:
             self._scheduler.kv_cache_manager = kv_cache_manager
-            self._scheduler.window_pins.kv_cache_manager = kv_cache_manager
             pool = getattr(kv_cache_manager, "block_pool", None)
             null = getattr(getattr(pool, "null_block", None), "block_id", None)
             if isinstance(null, int):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from semkv.types import QualityTier, SemanticKVMatch
-from semkv_vllm.metadata import NO_BLOCK, LoadOp, RealizeOp, block_groups
+from semkv_vllm.metadata import LoadOp, RealizeOp, block_groups
 from semkv_vllm.request_state import RequestState
 from semkv_vllm.store_index import StoreIndex
 
@@ -53,11 +53,12 @@ def realize_op(st: RequestState, block_ids: tuple[list[int], ...], *, null_block
         op = st.span.op(rid, tokens, block_ids[0])
     else:
         bs = st.span.plan.block_size
-        span, local = st.span.plan.span_tokens // bs, st.span.plan.local_tokens // bs
-        groups = [[NO_BLOCK if b == null_block else b for b in ids[:span]] for ids in block_ids]
+        first, groups = block_groups(block_ids, 0, st.span.plan.span_tokens // bs, null_block,
+                                     per_group=True)
+        assert groups is not None
         for group, ids in pinned.items():
-            groups[group][:local] = ids
-        op = st.span.op(rid, tokens, groups[0])
+            groups[group][: st.span.plan.local_tokens // bs] = ids
+        op = st.span.op(rid, tokens, first)
         op.groups = groups
     op.kv_floor = st.options.kv_floor if st.options is not None else None
     st.may_save, st.request_only = False, True

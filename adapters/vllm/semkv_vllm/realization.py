@@ -320,16 +320,20 @@ class SpanRealizer:
 
     def _reads(self, op: RealizeOp, slots: torch.Tensor, picked: torch.Tensor) -> SpanReads:
         """The op's reads: its copies, and each KV-cache group's local-prefix blocks."""
-        runner, layer0 = self.runner, self.layer_names[0]
+        runner, layer0, group0 = self.runner, self.layer_names[0], self.layer_groups[0]
         first: dict[int, str] = {}  # group -> its first layer's paged cache
         for name, group in zip(self.layer_names, self.layer_groups, strict=True):
             first.setdefault(group, name)
-        blocks = {g: torch.as_tensor(op.local_blocks(g), dtype=torch.long) for g in first}
+
+        def local(group: int) -> torch.Tensor:
+            return torch.as_tensor(op.local_blocks(group), dtype=torch.long)
+
         reads = SpanReads(self.layout, self.kv_caches[layer0], self.store.get(layer0),
-                          blocks[self.layer_groups[0]], slots, picked, op.local_tokens,
-                          runner.device, runner.kv_heads, runner.head_dim, runner.dtype)
+                          local(group0), slots, picked, op.local_tokens, runner.device,
+                          runner.kv_heads, runner.head_dim, runner.dtype, group=group0)
         for group, name in first.items():
-            reads.add_group(group, self.kv_caches[name], blocks[group])
+            if group != group0:
+                reads.add_group(group, self.kv_caches[name], local(group))
         return reads
 
     def _fail_midway(self, cache: KVCache, op: RealizeOp, after: int) -> None:

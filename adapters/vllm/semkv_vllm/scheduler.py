@@ -228,7 +228,8 @@ class SchedulerSide:
                 st.fetch_key = key
             self.stats.inc("lookup_deferred")
             return None, False  # async lookup (or a donor fetch's lookup) still running
-        if decision.is_hit and st.span is not None and not self.window_pins.pin(request, local):
+        if (decision.is_hit and st.span is not None
+                and not self.window_pins.pin(request, local, self.kv_cache_manager)):
             self._release(st)  # vLLM's cache no longer gives the local window the span reads
             decision = self._keep_exact(st, local, SemanticKVMatch.fallback(
                 request.request_id, FallbackReason.DONOR_STALE, local_prefix_tokens=local))

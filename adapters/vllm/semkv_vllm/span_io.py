@@ -50,7 +50,7 @@ class _Local:
 class SpanReads:
     """One op's local-prefix rows and copied donor rows, gathered per layer.
 
-    ``local`` holds the first KV-cache group's local-prefix blocks (``kv``: one of its layers'
+    ``local`` holds KV-cache group ``group``'s local-prefix blocks (``kv``: one of its layers'
     tensors); ``add_group`` registers another group's. ``NO_BLOCK`` there (a window group's
     block out of every span token's window) reads as zeros: never attended to, never garbage.
     """
@@ -58,14 +58,14 @@ class SpanReads:
     def __init__(self, layout: PageLayout, kv: torch.Tensor, store: torch.Tensor | None,
                  local: torch.Tensor, slots: torch.Tensor, picked: torch.Tensor,
                  local_tokens: int, device: torch.device, heads: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, group: int = 0) -> None:
         self.layout, self.device = layout, device
         self.slots, self.picked = slots, picked
         self.local_tokens = local_tokens
         self.empty = torch.zeros(0, heads, head_dim, dtype=dtype, device=device)
         self.shape = (heads, head_dim)
         self._local: dict[int, _Local] = {}
-        self.add_group(0, kv, local)
+        self.add_group(group, kv, local)
         self.copy_index = None
         if store is not None and slots.numel() and flat(store) is not None:
             self.copy_index = layout.token_index(slots, picked, _page_numel(store))

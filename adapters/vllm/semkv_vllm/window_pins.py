@@ -8,9 +8,10 @@ nor kept (vLLM's null block in the request's table, ``add_local_computed_blocks`
 in the prefix cache, but on the free queue: any allocation may take them before the worker
 reads them. ``WindowPins``:
 
-- ``pin(request, local)`` when a realization is decided (``get_num_new_matched_tokens``):
-  vLLM's own lookup of the local hit (``find_longest_cache_hit``, which counts nothing), every
-  real block of it in a window group touched (``block_pool.touch``: off the free queue);
+- ``pin(request, local, kv_cache_manager)`` when a realization is decided
+  (``get_num_new_matched_tokens``): vLLM's own lookup of the local hit
+  (``find_longest_cache_hit``, which counts nothing), every real block of it in a window group
+  touched (``block_pool.touch``: off the free queue);
 - ``local_ids(request_id)``: each window group's local blocks, for the op (``NO_BLOCK`` where
   the group held none: out of every span token's window);
 - ``release(request_id)`` (``block_pool.free_blocks``) once the worker reported the
@@ -24,27 +25,35 @@ NOTE: a pinned block keeps its hash: it is still vLLM's prefix-cache state, only
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from semkv_vllm.metadata import NO_BLOCK
+
+
+@dataclass(frozen=True)
+class _Held:
+    pool: Any  # the block pool the blocks were touched in (freed there)
+    blocks: list[Any]  # the touched blocks (vLLM's KVCacheBlock)
+    ids: dict[int, list[int]]  # window group -> its local-prefix block ids (NO_BLOCK: none)
 
 
 class WindowPins:
     def __init__(self, windows: Sequence[int | None], block_size: int) -> None:
         self.groups = [g for g, window in enumerate(windows) if window]
         self.block_size = block_size
-        self.kv_cache_manager: Any = None  # bound with vLLM's (bind_kv_cache_manager)
-        self._held: dict[str, tuple[list[Any], dict[int, list[int]]]] = {}
+        self._held: dict[str, _Held] = {}
 
-    def pin(self, request: Any, local: int) -> bool:
-        """Hold ``request``'s local hit in every window group; False when vLLM's cache no
-        longer gives that hit (nothing held)."""
+    def pin(self, request: Any, local: int, kv_cache_manager: Any) -> bool:
+        """Hold ``request``'s local hit in every window group of ``kv_cache_manager`` (vLLM's,
+        None before it is bound); False when its cache no longer gives that hit (nothing
+        held)."""
         self.release(request.request_id)
         if not self.groups or local == 0:
             return True
-        if self.kv_cache_manager is None:
+        if kv_cache_manager is None:
             return False
-        hit, found, _ = self.kv_cache_manager.coordinator.find_longest_cache_hit(
+        hit, found, _ = kv_cache_manager.coordinator.find_longest_cache_hit(
             request.block_hashes, local)
         if found != local:
             return False
@@ -53,8 +62,8 @@ class WindowPins:
         if any(len(b) != count for b in blocks.values()):
             return False
         real = [b for group in blocks.values() for b in group if not b.is_null]
-        self.kv_cache_manager.block_pool.touch(real)
-        self._held[request.request_id] = (real, {
+        kv_cache_manager.block_pool.touch(real)
+        self._held[request.request_id] = _Held(kv_cache_manager.block_pool, real, {
             g: [NO_BLOCK if b.is_null else b.block_id for b in group]
             for g, group in blocks.items()})
         return True
@@ -62,12 +71,12 @@ class WindowPins:
     def local_ids(self, request_id: str) -> dict[int, list[int]]:
         """Each window group's local-prefix block ids as pinned (empty: nothing pinned)."""
         held = self._held.get(request_id)
-        return dict(held[1]) if held is not None else {}
+        return dict(held.ids) if held is not None else {}
 
     def release(self, request_id: str) -> None:
         held = self._held.pop(request_id, None)
-        if held is not None and held[0]:
-            self.kv_cache_manager.block_pool.free_blocks(held[0])
+        if held is not None and held.blocks:
+            held.pool.free_blocks(held.blocks)
 
     def __len__(self) -> int:
         """Requests holding pins."""
