@@ -43,6 +43,7 @@ MODELS = {
 }
 DEFAULT = "smollm2-135m"
 MODEL_NAME = MODELS[DEFAULT].folder
+BUNDLED_DTYPE = "float32"  # the operator guide serves the bundled models in fp32 on CPU
 _DONE = ".semkv-converted"
 
 
@@ -68,6 +69,15 @@ def ensure_model(name: str = DEFAULT) -> Path:
         if not (target / _DONE).exists():
             _convert(_model(name).gguf(), target)
     return target
+
+
+def served_as(model: str | None = None, dtype: str | None = None) -> tuple[str, str]:
+    """``model`` and ``dtype`` as an engine loads them: a bundled model's name (None: the
+    default) is its converted folder, made once, served in ``float32`` unless ``dtype`` says
+    otherwise; anything else (a folder, a Hugging Face id) as given, ``dtype`` default ``auto``."""
+    bundled = model is None or model in MODELS
+    folder = str(ensure_model(model or DEFAULT)) if bundled else str(model)
+    return folder, dtype or (BUNDLED_DTYPE if bundled else "auto")
 
 
 def _convert(gguf: Path, target: Path) -> None:

@@ -63,3 +63,18 @@ def bundled_kv_cache_bytes(*, max_model_len: int = DEFAULT_MAX_MODEL_LEN,
 
     return kv_cache_bytes(ensure_model(), max_model_len=max_model_len,
                           max_num_seqs=max_num_seqs, block_size=block_size, dtype=dtype)
+
+
+def kv_dtype_of(dtype: str, kv_cache_dtype: str, folder: str | Path) -> str:
+    """The KV dtype's name for sizing, from an engine's ``dtype`` and ``kv_cache_dtype``
+    (``auto``: the model's own, read from its ``config.json``); unsure: fp32, an over-estimate."""
+    if kv_cache_dtype in KV_DTYPE_BYTES:
+        return kv_cache_dtype
+    if dtype in KV_DTYPE_BYTES:
+        return dtype
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    named = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    return named if named in KV_DTYPE_BYTES else "float32"

@@ -20,7 +20,6 @@ import pytest
 from semkv_vllm.bench.calibrate import (
     CalibrateError,
     Options,
-    model_and_dtype,
     parse_engine_arg,
     rows_path,
 )
@@ -240,6 +239,7 @@ def test_engine_args_and_options() -> None:
 
 def test_a_bundled_models_name_is_its_converted_folder_served_in_fp32(monkeypatch, tmp_path):
     import semkv.bundled_model as bundled
+    from semkv.bundled_model import served_as
 
     made: list[str] = []
 
@@ -248,11 +248,10 @@ def test_a_bundled_models_name_is_its_converted_folder_served_in_fp32(monkeypatc
         return tmp_path / name
 
     monkeypatch.setattr(bundled, "ensure_model", ensure)
-    assert model_and_dtype(Options(model="gemma3-270m")) == (str(tmp_path / "gemma3-270m"),
-                                                             "float32")
-    assert model_and_dtype(Options()) == (str(tmp_path / "smollm2-135m"), "float32")
-    assert model_and_dtype(Options(model="gemma3-270m", dtype="bfloat16"))[1] == "bfloat16"
-    assert model_and_dtype(Options(model="/models/x")) == ("/models/x", "auto")
+    assert served_as("gemma3-270m") == (str(tmp_path / "gemma3-270m"), "float32")
+    assert served_as(None) == (str(tmp_path / "smollm2-135m"), "float32")
+    assert served_as("gemma3-270m", "bfloat16")[1] == "bfloat16"
+    assert served_as("/models/x") == ("/models/x", "auto")
     assert made == ["gemma3-270m", "smollm2-135m", "gemma3-270m"]
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from semkv.kv_sizing import kv_bytes_per_token, kv_cache_bytes
+from semkv.kv_sizing import kv_bytes_per_token, kv_cache_bytes, kv_dtype_of
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIP_DIRS = {".venv", ".git", "site", "build", "dist", "bench-results", "__pycache__"}
@@ -136,6 +136,16 @@ def test_bundled_model_bytes_per_token_and_whole_blocks(tmp_path):
         kv_bytes_per_token(tmp_path)
     with pytest.raises(ValueError, match="cannot read"):
         kv_bytes_per_token(tmp_path / "missing")
+
+
+def test_the_kv_dtype_sized_for_is_the_engines(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    assert kv_dtype_of("float32", "fp8", tmp_path) == "fp8"  # --kv-cache-dtype first
+    assert kv_dtype_of("float32", "auto", tmp_path) == "float32"  # then --dtype
+    assert kv_dtype_of("auto", "auto", tmp_path) == "bfloat16"  # then the model's own
+    assert kv_dtype_of("auto", "auto", tmp_path / "missing") == "float32"  # unsure: the most
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "int4"}))
+    assert kv_dtype_of("auto", "auto", tmp_path) == "float32"
 
 
 def test_cli_prints_the_same_figure_for_the_bundled_model():

@@ -10,6 +10,7 @@ output length, concurrency, cluster kinds), so two runs of one preset are compar
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from semkv.eval.model import ClusterKind
@@ -128,6 +129,9 @@ class BenchConfig:
     block_size: int = 32
     kv_cache_bytes: int | None = None  # None: semkv.kv_sizing from max_model_len and seqs
     cores: str = "0"  # VLLM_CPU_OMP_THREADS_BIND for every engine
+    # a bundled model's name or a model folder (semkv.bundled_model.served_as); None: SmolLM2
+    model: str | None = None
+    dtype: str | None = None  # None: float32 for a bundled model, else the model's own
     extra: dict[str, Any] = field(default_factory=dict)
     # "engines": one engine per arm (ARMS); "frontier": one engine, arms are request options
     # (FRONTIER_ARMS)
@@ -156,6 +160,12 @@ class BenchConfig:
         self._validate_sizes()
 
     def _validate_sizes(self) -> None:
+        from semkv.bundled_model import MODELS
+
+        if self.model is not None and self.model not in MODELS \
+                and not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"model {self.model!r}: neither a bundled model "
+                             f"({', '.join(MODELS)}) nor a model folder with a config.json")
         bad = [k for k in self.kinds if k not in {c.value for c in ClusterKind}]
         if bad:
             raise ValueError(f"unknown cluster kind(s) {bad}")

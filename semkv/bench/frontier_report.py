@@ -168,12 +168,21 @@ def _f(v: Any, fmt: str = ".2f") -> str:
     return "–" if v is None else f"{v:{fmt}}"
 
 
+def model_label(cfg: dict[str, Any]) -> str:
+    """The served model as a run's config names it (None: the bundled default) and its dtype."""
+    from semkv.bundled_model import BUNDLED_DTYPE, DEFAULT, MODELS
+
+    model = cfg.get("model") or DEFAULT
+    dtype = cfg.get("dtype") or (BUNDLED_DTYPE if model in MODELS else "auto")
+    return f"{model} ({dtype})"
+
+
 def markdown(result: dict[str, Any]) -> str:
     cfg = result["config"]
-    lines = [f"Preset `{cfg['preset']}`: ~{cfg['target_tokens']} prompt tokens, "
-             f"{cfg['max_tokens']} greedy tokens, {cfg['clusters_per_type']} clusters per "
-             f"kind, cores `{cfg['cores']}`; {result['machine']}; wall "
-             f"{result['wall_s'] / 60:.1f} min.", ""]
+    lines = [f"Preset `{cfg['preset']}` on {model_label(cfg)}: ~{cfg['target_tokens']} "
+             f"prompt tokens, {cfg['max_tokens']} greedy tokens, "
+             f"{cfg['clusters_per_type']} clusters per kind, cores `{cfg['cores']}`; "
+             f"{result['machine']}; wall {result['wall_s'] / 60:.1f} min.", ""]
     lines += _summary_table("kind", result["summary"])
     by_class = summarize_by_class(result["rows"])
     if by_class:
@@ -258,7 +267,8 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_xlabel("share of the prompt computed by semkv in the span (gaps + recomputed)")
     ax_kl.set_ylabel("mean per-token KL from cold (nats)")
     ax_rouge.set_ylabel("median ROUGE-L vs cold")
-    ax_kl.set_title("dashed: fp8 KV floor (same colour)", fontsize=9)
+    model = model_label(result.get("config") or {})
+    ax_kl.set_title(f"{model}; dashed: fp8 KV floor (same colour)", fontsize=9)
     kinds = [Line2D([], [], color=f"C{i}", label=k) for i, k in enumerate(result["summary"])]
     shapes = [Line2D([], [], color="k", marker=m, ls="", mfc="none", label=a.split(":")[1])
               for a, m in markers.items() if any(a in arms for arms in result["summary"].values())]

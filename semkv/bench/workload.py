@@ -30,15 +30,15 @@ class Workload:
 
 def load_workload(config: BenchConfig, tokenizer: Path | None = None) -> Workload:
     """The workload of ``config``, tokenized by ``tokenizer`` (a model folder; default: the
-    bundled model's)."""
+    tokenizer of the model ``config`` serves)."""
     from transformers import AutoTokenizer
 
     from semkv.eval import build_workload
 
     if tokenizer is None:
-        from semkv.bundled_model import ensure_model
+        from semkv.bundled_model import served_as
 
-        tokenizer = ensure_model()
+        tokenizer = Path(served_as(config.model, config.dtype)[0])
     tok = AutoTokenizer.from_pretrained(str(tokenizer))
     wl = build_workload(config.seed, clusters_per_type=config.clusters_per_type,
                         target_tokens=config.target_tokens, tokenizer=tok.encode,

@@ -25,7 +25,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                         kinds=tuple(args.kinds) if args.kinds else None,
                         clusters_per_type=args.clusters, target_tokens=args.target_tokens,
                         max_tokens=args.max_tokens, concurrency=args.concurrency,
-                        seed=args.seed, cores=args.cores)
+                        seed=args.seed, cores=args.cores, model=args.model, dtype=args.dtype)
     except ValueError as exc:
         print(f"semkv bench: {exc}", file=sys.stderr)
         return 2
@@ -60,6 +60,10 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     bench.add_argument("--max-tokens", type=int, help="greedy output tokens per answer")
     bench.add_argument("--concurrency", type=int, help="requests in flight (throughput phase)")
     bench.add_argument("--seed", type=int, help="workload seed")
+    bench.add_argument("--model", help="a bundled model's name (smollm2-135m, the default; "
+                                       "gemma3-270m) or a model folder")
+    bench.add_argument("--dtype", help="compute dtype (default: float32 for a bundled model, "
+                                       "else the model's own)")
     bench.add_argument("--cores", help="VLLM_CPU_OMP_THREADS_BIND for every engine (default 0)")
     bench.add_argument("--out", help="output folder (default bench-results/bench-<preset>)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")

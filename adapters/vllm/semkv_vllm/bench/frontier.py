@@ -49,7 +49,7 @@ from semkv.bench.frontier import (
 from semkv.bench.results import Run
 from semkv.bench.workload import Workload
 from semkv.research.quality import rouge_l
-from semkv_vllm.bench.engine import answer_distributions, generate, open_engine
+from semkv_vllm.bench.engine import answer_distributions, generate, kv_bytes_for, open_engine
 from semkv_vllm.bench.runner import progress_bar
 
 Tick = Callable[[str, int], Any] | None
@@ -61,12 +61,8 @@ def engine_arm(config: BenchConfig, donors_per_target: int,
     the donor store sized for its model)."""
     overrides = dict(overrides or {})
     if "donor_store_bytes" not in overrides:
-        from semkv.kv_sizing import bundled_kv_cache_bytes
-
         # one target's donors and the target itself, whole prompts, in the store at once
-        overrides["donor_store_bytes"] = bundled_kv_cache_bytes(
-            max_model_len=config.max_model_len, max_num_seqs=donors_per_target + 2,
-            block_size=config.block_size)
+        overrides["donor_store_bytes"] = kv_bytes_for(config, donors_per_target + 2)
     extra = {"semantic_mode": "materialize_semantic", "provider": "minhash",
              "semantic_tiers": ["verified"], "realize_spans": True, "request_options": True,
              "request_overrides": ["recompute", "kv_floor"],  # every arm is an override
