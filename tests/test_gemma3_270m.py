@@ -17,8 +17,8 @@ attention, vLLM's hybrid KV-cache manager left on.
 - a one-donor realized span on its six KV-cache groups, behind 640 tokens of vLLM's own
   cache (``tests/test_engine_kv_groups.check_realized_behind_a_local_window``): at blend 1.0
   its K/V equals the runner's prefill and its output equals cold. The gate is off here
-  (``ungated``): no policy ships for this model yet, so the README's mode refuses such plans
-  as ``uncertified_class``.
+  (``ungated``: the span's mechanics, not the policy); the policy semkv ships for this model
+  is ``test_engine_gates_gemma3.py``'s.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def folder() -> Path:
 def llm(folder: Path) -> Iterator[Any]:
     with engine({"provider": "minhash", "semantic_mode": "materialize_semantic",
                  "request_options": True,
-                 # realized spans' mechanics: every class, unpriced (no policy ships for it)
+                 # realized spans' mechanics: every class, unpriced (the shipped policy is
+                 # test_engine_gates_gemma3.py's)
                  "gate_policy": "ungated", "realize_min_gain": 0.0,
                  "request_overrides": ["recompute"]}, in_process=True, model=str(folder),
                 scheduler_cls="semkv_vllm.commit_policy.CommitPolicyScheduler") as e:
@@ -94,8 +95,9 @@ def test_the_converted_model_is_gemma3_and_its_tokenizer_adds_bos(folder: Path) 
 
 
 def test_semkv_ships_its_calibrated_policy_and_the_engine_would_pick_it(folder: Path) -> None:
-    """``semkv calibrate --model gemma3-270m`` wrote it (docs/calibrate.md): keyed by the
-    converted folder's identity at float32, it serves ``one_donor_in_order`` only."""
+    """``semkv calibrate --model gemma3-270m`` wrote it (docs/calibrate.md), the 4K frontier
+    added reordered chunks (docs/frontier.md): keyed by the converted folder's identity at
+    float32, it serves ``one_donor_in_order``, and ``one_donor_reordered`` from 3,539 tokens."""
     from semkv.gate_policy import resolve_policy
     from semkv.model_identity import model_identity
     from semkv.plan_class import PlanClass
@@ -103,7 +105,10 @@ def test_semkv_ships_its_calibrated_policy_and_the_engine_would_pick_it(folder: 
     identity = model_identity(folder, dtype="float32", kv_cache_dtype="auto")
     policy, source = resolve_policy("auto", identity)
     assert policy is not None and source == "shipped:gemma3-270m-float32.json", source
-    assert policy.served_classes() == [PlanClass.ONE_DONOR_IN_ORDER]
+    assert policy.served_classes() == [PlanClass.ONE_DONOR_IN_ORDER,
+                                       PlanClass.ONE_DONOR_REORDERED]
+    reordered = policy.classes[PlanClass.ONE_DONOR_REORDERED]
+    assert reordered.serves(3539) and not reordered.serves(3538)
     bf16 = model_identity(folder, dtype="bfloat16", kv_cache_dtype="auto")
     assert resolve_policy("auto", bf16)[0] is None  # another dtype: none applies
 
