@@ -125,6 +125,7 @@ def test_rows_are_summarized_per_plan_class_against_their_own_targets_floor() ->
               "summary": summary, "negatives": negatives(rows), "request_only_violations": 0,
               "targets": check(summary, rows, 0), "rows": rows}
     text = markdown(result)
+    assert text.startswith("Preset `frontier` on smollm2-135m (float32):")
     assert "Per plan class" in text and "| plan class | arm |" in text
     assert "| one_donor_in_order | realized:first_k16 | 1/1 |" in text
 

@@ -24,6 +24,7 @@ from typing import Any
 from semkv.bench.config import COLD, FLOOR, STRATEGIES
 from semkv.bench.frontier import NEAR_TIE
 from semkv.bench.gain import gain_errors
+from semkv.bench.report import model_label
 
 GATED_KINDS = ("cross_instruction", "cross_instruction_task_first", "multi_passage_rag")
 ROUGE_MIN, RC_MARGIN, DONOR_MIN, SPEEDUP_MIN, LONG_PROMPT = 0.9, 0.2, 0.5, 2.5, 2048
@@ -166,15 +167,6 @@ def check(summary: dict[str, dict[str, dict[str, Any]]], rows: list[dict[str, An
 
 def _f(v: Any, fmt: str = ".2f") -> str:
     return "–" if v is None else f"{v:{fmt}}"
-
-
-def model_label(cfg: dict[str, Any]) -> str:
-    """The served model as a run's config names it (None: the bundled default) and its dtype."""
-    from semkv.bundled_model import BUNDLED_DTYPE, DEFAULT, MODELS
-
-    model = cfg.get("model") or DEFAULT
-    dtype = cfg.get("dtype") or (BUNDLED_DTYPE if model in MODELS else "auto")
-    return f"{model} ({dtype})"
 
 
 def markdown(result: dict[str, Any]) -> str:

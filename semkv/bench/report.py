@@ -39,11 +39,20 @@ def _speed_rows(arms: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def model_label(cfg: dict[str, Any]) -> str:
+    """The served model as a run's config names it (None: the bundled default) and its dtype."""
+    from semkv.bundled_model import BUNDLED_DTYPE, DEFAULT, MODELS
+
+    model = cfg.get("model") or DEFAULT
+    dtype = cfg.get("dtype") or (BUNDLED_DTYPE if model in MODELS else "auto")
+    return f"{model} ({dtype})"
+
+
 def markdown(result: dict[str, Any]) -> str:
     arms, cfg = result["arms"], result["config"]
     lines = [
-        f"Preset `{cfg['preset']}`: {result['workload']['targets']} targets, "
-        f"{result['workload']['donors']} donors, ~{cfg['target_tokens']} prompt tokens, "
+        f"Preset `{cfg['preset']}` on {model_label(cfg)}: {result['workload']['targets']} "
+        f"targets, {result['workload']['donors']} donors, ~{cfg['target_tokens']} prompt tokens, "
         f"{cfg['max_tokens']} greedy output tokens, concurrency {cfg['concurrency']}, "
         f"cores `{cfg['cores']}`; {result['machine']}.",
         "",
