@@ -65,35 +65,29 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     from semkv.bundled_model import ensure_model
     from semkv.eval import build_workload
-    from semkv.research import DonorStore, LayerwiseModel, plan_reuse, prefill
+    from semkv.research import LayerwiseModel, prefill
+    from semkv.research.targets import planned_targets
 
     torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(str(ensure_model()))
     lm = LayerwiseModel.from_pretrained(ensure_model())
     wl = build_workload(args.seed, clusters_per_type=args.clusters,
                         target_tokens=args.target_tokens, tokenizer=tok.encode, kinds=args.kinds)
-    donors = {d.prompt_id: list(d.token_ids or tok.encode(d.text)) for d in wl.donors}
     rows = []
-    for t in wl.targets:
-        started = time.perf_counter()
-        ids = list(t.token_ids or tok.encode(t.text))
-        labelled = list(t.metadata.get("donor_ids") or [t.true_donor_id])
-        store = DonorStore(lm, chunk_tokens=32)
-        for d in labelled:
-            store.add(d, donors[d])
-        plan = plan_reuse(ids, store.token_map(), chunk_tokens=32)
+    for p in planned_targets(lm, tok.encode, wl):
+        ids = p.ids
         _, cold = lm.full_prefill(ids, all_logits=False)
         n = len(ids)
-        row: dict[str, Any] = {"kind": t.kind.value, "prompt_tokens": n, "donors": len(labelled),
-                               "copied": plan.reused_tokens,
+        row: dict[str, Any] = {"kind": p.target.kind.value, "prompt_tokens": n,
+                               "donors": len(p.donors), "copied": p.plan.reused_tokens,
                                "floor_kl": kl(cold[-1], fp8_floor(lm, ids)), "arms": {}}
         for strategy in arms(args.arms):
-            result = prefill(lm, ids, plan, store, strategy)
+            result = prefill(lm, ids, p.plan, p.store, strategy)
             row["arms"][strategy.name] = {
                 "kl": kl(cold[-1], result.logits),
                 "share": result.recomputed_tokens / n,
                 "token_layers": result.recompute_fraction}
-        row["seconds"] = time.perf_counter() - started
+        row["seconds"] = time.perf_counter() - p.started
         rows.append(row)
         print(json.dumps({"kind": row["kind"], "n": n, "copied": row["copied"],
                           "floor": round(row["floor_kl"], 5),

@@ -93,7 +93,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     from semkv.bundled_model import ensure_model
     from semkv.eval import build_workload
-    from semkv.research import DonorStore, LayerwiseModel, plan_reuse
+    from semkv.research import LayerwiseModel
+    from semkv.research.targets import planned_targets
 
     torch.set_num_threads(args.threads)
     folder = ensure_model(args.model)
@@ -101,19 +102,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     lm = LayerwiseModel.from_pretrained(folder)
     wl = build_workload(args.seed, clusters_per_type=args.clusters,
                         target_tokens=args.target_tokens, tokenizer=tok.encode, kinds=args.kinds)
-    donors = {d.prompt_id: list(d.token_ids or tok.encode(d.text)) for d in wl.donors}
     rows = []
-    for t in wl.targets:
-        started = time.perf_counter()
-        ids = list(t.token_ids or tok.encode(t.text))
-        store = DonorStore(lm, chunk_tokens=32)
-        for d in list(t.metadata.get("donor_ids") or [t.true_donor_id]):
-            store.add(d, donors[d])
-        plan = plan_reuse(ids, store.token_map(), chunk_tokens=32)
-        if not plan.segments:
+    for p in planned_targets(lm, tok.encode, wl):
+        if not p.plan.segments:
             continue
-        row = measure_target(lm, ids, plan, store) | {"kind": t.kind.value}
-        row["seconds"] = time.perf_counter() - started
+        row = measure_target(lm, p.ids, p.plan, p.store) | {"kind": p.target.kind.value}
+        row["seconds"] = time.perf_counter() - p.started
         rows.append(row)
         print(json.dumps({k: row[k] for k in ("kind", "plan_class", "prompt_tokens", "copied",
                                               "segments", "kl", "floor_kl")}
