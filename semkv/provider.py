@@ -54,6 +54,9 @@ class ProviderCapabilities(BaseModel):
     async_capable: bool = True  # safe to call from a worker thread under a timeout
     reports_spans: bool = False  # candidates carry exact token spans (else the verifier finds them)
     background_indexing: bool = False  # register_donor returns before the donor is searchable
+    # The host budget one lookup needs (an encoder's forward on a CPU, say): the connector's
+    # lookup_timeout_ms when the operator sets none and this is above its default.
+    lookup_ms: float | None = Field(default=None, gt=0, le=60_000.0)
 
 
 class ProviderContext(BaseModel):
@@ -64,6 +67,9 @@ class ProviderContext(BaseModel):
     block_size: int = Field(default=16, ge=1)
     # Turns token ids into text for providers that need text; None where no tokenizer is at hand.
     detokenize: Callable[[Sequence[int]], str] | None = None
+    # The host's lookup budget: a lookup that answers later is counted as a timeout and the
+    # request is served without it. None where the host sets no budget (a research script).
+    lookup_timeout_ms: float | None = Field(default=None, gt=0)
 
 
 class DonorRecord(BaseModel):

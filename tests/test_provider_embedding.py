@@ -168,27 +168,110 @@ def test_only_the_bounded_window_is_embedded() -> None:
     assert all(not w.startswith("ord") for w in windows)  # cut at whitespace, not in words
 
 
-def test_vectors_do_not_depend_on_batching(provider: EmbeddingProvider) -> None:
-    texts = [EIFFEL, BREAD, PYTHON, "short one", EIFFEL_PARAPHRASE]
-    together = provider._encoder.encode(texts)
-    alone = [provider._encoder.encode([t])[0] for t in texts]
-    assert together is not None
-    assert all((together[i] == alone[i]).all() for i in range(len(texts)))
+def test_vectors_do_not_depend_on_batching() -> None:
+    provider = _provider(vector_cache_entries=0)  # every call runs the model
+    try:
+        texts = [EIFFEL, BREAD, PYTHON, "short one", EIFFEL_PARAPHRASE]
+        together = provider._encoder.encode(texts)
+        alone = [provider._encoder.encode([t])[0] for t in texts]
+        assert together is not None
+        assert all((together[i] == alone[i]).all() for i in range(len(texts)))
+    finally:
+        provider.close()
 
 
-def test_busy_model_is_a_miss_within_budget() -> None:
+def test_busy_model_is_a_miss_within_budget_unless_the_text_was_embedded_before() -> None:
     p = _provider(lookup_budget_ms=50)
     try:
         _register(p, "eiffel", EIFFEL)
         p.flush()
         with p._encoder.lock:  # the model is busy (e.g. a long background batch)
             start = time.monotonic()
-            assert _lookup(p, EIFFEL) == {}
+            assert _lookup(p, EIFFEL_PARAPHRASE) == {}
             assert time.monotonic() - start < 1.0
+            # the donor's own window was kept when it was indexed: no model call needed
+            assert _lookup(p, EIFFEL)["eiffel"].similarity > 0.999
         assert p.stats()["lookups_over_budget"] == 1.0
-        assert "eiffel" in _lookup(p, EIFFEL)
+        assert "eiffel" in _lookup(p, EIFFEL_PARAPHRASE)
     finally:
         p.close()
+
+
+def _counting_model_calls(p: EmbeddingProvider, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    model = p._encoder.model
+    real = model.encode
+
+    def counted(windows: list[str], **kw: object) -> object:
+        calls.append(len(windows))
+        return real(windows, **kw)
+
+    monkeypatch.setattr(model, "encode", counted)
+    return calls
+
+
+def test_a_window_embedded_before_is_not_embedded_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A chat's next turn re-sends the same head: its lookup runs no model call, and the
+    cached vector is the bits a fresh forward gives."""
+    p = _provider()
+    fresh = _provider(vector_cache_entries=0)
+    try:
+        _register(p, "bread", BREAD)
+        p.flush()
+        calls = _counting_model_calls(p, monkeypatch)
+        first = p._encoder.encode([EIFFEL_PARAPHRASE])
+        assert calls == [1]
+        again = p._encoder.encode([EIFFEL_PARAPHRASE])
+        assert calls == [1] and p.stats()["cached_vectors"] == 2.0  # BREAD's and this one
+        assert first is not None and again is not None and (first == again).all()
+        recomputed = fresh._encoder.encode([EIFFEL_PARAPHRASE])
+        assert calls == [1, 1]  # fresh shares the model and keeps nothing
+        assert recomputed is not None and (recomputed == first).all()
+        assert "bread" in _lookup(p, BREAD) and calls == [1, 1]  # the donor's own window
+    finally:
+        p.close()
+        fresh.close()
+
+
+def test_the_vector_cache_is_a_bounded_lru() -> None:
+    import numpy as np
+    from semkv_embedding.encoder import VectorCache
+
+    cache = VectorCache(2)
+    rows = {name: np.full(3, i, dtype=np.float32) for i, name in enumerate("abc")}
+    cache.put(cache.key("a"), rows["a"])
+    cache.put(cache.key("b"), rows["b"])
+    assert cache.get(cache.key("a")) is rows["a"]  # a is now the most recent
+    cache.put(cache.key("c"), rows["c"])
+    assert len(cache) == 2 and cache.get(cache.key("b")) is None  # b was the oldest
+    assert cache.get(cache.key("a")) is rows["a"] and cache.get(cache.key("c")) is rows["c"]
+    off = VectorCache(0)
+    off.put(off.key("a"), rows["a"])
+    assert len(off) == 0
+    assert len(cache.key("x" * 10_000)) == 16  # a digest is kept, never the window's text
+
+
+def test_the_lookup_budget_is_the_host_s_unless_set_and_a_slow_window_is_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    host = ProviderContext(block_size=16, detokenize=synthetic_detokenize,
+                           lookup_timeout_ms=0.5)
+    with caplog.at_level(logging.WARNING):
+        p = EmbeddingProvider.from_config(None, host)
+    own = EmbeddingProvider.from_config({"lookup_budget_ms": 80}, host)
+    bare = _provider()
+    try:
+        assert p._budget_s == pytest.approx(0.0005)  # the host's: it stops waiting then
+        assert own._budget_s == pytest.approx(0.080) and bare._budget_s == pytest.approx(0.25)
+        assert p.window_ms > 0.5 and p.stats()["window_ms"] == p.window_ms
+        assert "embedding_lookup_over_budget" in caplog.text
+        assert "raise lookup_timeout_ms, or lower max_text_chars" in caplog.text
+        assert EmbeddingProvider.capabilities.lookup_ms == 100.0
+    finally:
+        for built in (p, own, bare):
+            built.close()
 
 
 @pytest.mark.parametrize("kind", ["flat", "hnsw"])

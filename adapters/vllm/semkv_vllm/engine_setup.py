@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from semkv.config import ConfigError, SemkvConfig
 from semkv.log import get_logger
 from semkv.lookup import GuardedProvider
-from semkv.provider import ProviderContext
+from semkv.provider import ProviderCapabilities, ProviderContext
 from semkv.types import Mode, QualityTier
 from semkv_vllm.namespace import namespace_from_vllm_config
 from semkv_vllm.page_layout import PageLayout, backend_writer
@@ -105,18 +105,30 @@ def check_store_fits_host(config: SemkvConfig, *, realize_on_host: bool | None =
             f"donor_store_bytes")
 
 
+def lookup_budget_ms(config: SemkvConfig, capabilities: ProviderCapabilities) -> float:
+    """The lookup budget: the operator's ``lookup_timeout_ms`` where set, else the larger of
+    its default and what the provider says one lookup needs (``capabilities.lookup_ms``)."""
+    if "lookup_timeout_ms" in config.model_fields_set or capabilities.lookup_ms is None:
+        return config.lookup_timeout_ms
+    return max(config.lookup_timeout_ms, capabilities.lookup_ms)
+
+
 def build_provider(config: SemkvConfig, vllm_config: VllmConfig,
                     block_size: int) -> GuardedProvider:
     from semkv.plugins import get_provider_class
 
     cls = get_provider_class(config.provider)
+    budget_ms = lookup_budget_ms(config, cls.capabilities)
     mc = vllm_config.model_config
     context = ProviderContext(
         block_size=block_size,
         detokenize=make_detokenizer(mc.tokenizer, mc.tokenizer_revision, mc.trust_remote_code),
+        lookup_timeout_ms=budget_ms,
     )
     provider = cls.from_config(config.provider_config, context)
-    return GuardedProvider(provider, timeout_s=config.lookup_timeout_ms / 1e3)
+    log.info("lookup_budget", provider=config.provider, lookup_timeout_ms=budget_ms,
+             source="config" if budget_ms == config.lookup_timeout_ms else "provider")
+    return GuardedProvider(provider, timeout_s=budget_ms / 1e3)
 
 
 def request_only_possible(vllm_config: VllmConfig) -> bool:

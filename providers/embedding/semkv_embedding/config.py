@@ -14,11 +14,13 @@ class EmbeddingConfig(BaseModel):
     model_path: Path | None = Field(
         default=None, description="Local sentence-transformers folder; default: bundled MiniLM."
     )
+    # 600: one window's forward ~50 ms on one CPU core, a third less than 1,000 characters,
+    # with the same donors found first at 1K/4K/8K tokens (benchmarks/embedding_lookup.py).
     max_text_chars: int = Field(
-        default=1000, ge=1, description="Characters of a text that are embedded (its start)."
+        default=600, ge=1, description="Characters of a text that are embedded (its start)."
     )
     chunk_chars: int = Field(
-        default=1000, ge=64, description="Characters per embedded window; windows are averaged."
+        default=600, ge=64, description="Characters per embedded window; windows are averaged."
     )
     index: Literal["flat", "hnsw", "auto"] = Field(
         default="auto", description="faiss index per namespace; auto: flat, then HNSW past "
@@ -33,8 +35,22 @@ class EmbeddingConfig(BaseModel):
     max_pending: int = Field(
         default=10_000, ge=1, description="Queued donors kept; the oldest are dropped past it."
     )
-    lookup_budget_ms: float = Field(
-        default=250.0, gt=0, description="Longest a lookup waits for the model or the index."
+    lookup_budget_ms: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Longest a lookup waits for the model or the index; None: the host's own lookup "
+            "budget (the connector's lookup_timeout_ms), 250 ms where the host names none. "
+            "Past the host's budget the host has already answered without this lookup."
+        ),
+    )
+    vector_cache_entries: int = Field(
+        default=1024,
+        ge=0,
+        description=(
+            "Window vectors kept (LRU, 1.5 KiB each with MiniLM) so that a text whose windows "
+            "were embedded before, a donor's or an earlier lookup's, is not embedded again."
+        ),
     )
     faiss_threads: int | None = Field(
         default=1,

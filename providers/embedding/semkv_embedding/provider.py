@@ -16,8 +16,10 @@ so a lookup never sees another namespace's donors.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,6 +41,17 @@ if TYPE_CHECKING:
     from semkv_embedding.index import NamespaceIndex
 
 _log = get_logger("semkv.embedding")
+_OPEN: weakref.WeakSet[EmbeddingProvider] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_providers() -> None:
+    # NOTE: a process that exits with a provider still open (a host that never called close)
+    # must stop its indexing thread first: with vLLM loaded, a daemon thread still parked in
+    # it at interpreter teardown aborted the process ("terminate called without an active
+    # exception").
+    for provider in list(_OPEN):
+        provider.close()
 
 
 @dataclass(frozen=True)
@@ -52,13 +65,16 @@ class _Pending:
 
 class EmbeddingProvider(DonorProvider):
     name = "embedding"
-    capabilities = ProviderCapabilities(needs_text=True, background_indexing=True)
+    # One MiniLM window of 600 characters takes ~50 ms on one CPU core (p99 ~70 ms; docs:
+    # benchmarks/embedding_lookup.py): over the connector's 50 ms default, so it asks for 100.
+    capabilities = ProviderCapabilities(needs_text=True, background_indexing=True,
+                                        lookup_ms=100.0)
     Config = EmbeddingConfig
     config: EmbeddingConfig
 
     def __init__(self, config: BaseModel, context: ProviderContext) -> None:
         super().__init__(config, context)
-        from semkv_embedding.encoder import INSTALL_HINT, Encoder, load_model
+        from semkv_embedding.encoder import INSTALL_HINT, Encoder, VectorCache, load_model
 
         try:
             import faiss
@@ -81,7 +97,17 @@ class EmbeddingProvider(DonorProvider):
         model, model_lock = load_model(path)
         self._np: Any = np
         self._faiss: Any = faiss
-        self._encoder = Encoder(model, model_lock, cfg.max_text_chars, cfg.chunk_chars)
+        self._encoder = Encoder(model, model_lock, cfg.max_text_chars, cfg.chunk_chars,
+                                VectorCache(cfg.vector_cache_entries))
+        self._budget_s = (cfg.lookup_budget_ms or context.lookup_timeout_ms or 250.0) / 1000.0
+        # Warm the model (the first forward is slow) off any request's clock, and say at
+        # start-up, by name, when one window already costs more than the lookup budget.
+        self.window_ms = self._encoder.time_one_window()
+        if self.window_ms > 1000.0 * self._budget_s:
+            _log.warning(
+                "embedding_lookup_over_budget", window_ms=round(self.window_ms, 1),
+                budget_ms=round(1000.0 * self._budget_s, 1), max_text_chars=cfg.max_text_chars,
+                fix="raise lookup_timeout_ms, or lower max_text_chars and chunk_chars")
         self._gpu = cfg.use_gpu and hasattr(faiss, "StandardGpuResources") and (
             faiss.get_num_gpus() > 0
         )
@@ -98,6 +124,7 @@ class EmbeddingProvider(DonorProvider):
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="semkv-embedding", daemon=True)
         self._thread.start()
+        _OPEN.add(self)
 
     # -- registration (enqueue) and removal ---------------------------------------------------
 
@@ -245,7 +272,7 @@ class EmbeddingProvider(DonorProvider):
     # -- lookup -------------------------------------------------------------------------------
 
     def lookup(self, query: LookupQuery) -> list[Candidate]:
-        deadline = time.monotonic() + self.config.lookup_budget_ms / 1000.0
+        deadline = time.monotonic() + self._budget_s
         ns = query.namespace
         if (not query.token_ids and not query.text) or ns not in self._spaces:
             return []  # nothing to compare with: skip the embedding cost (racy peek, rechecked)
@@ -293,4 +320,6 @@ class EmbeddingProvider(DonorProvider):
             out["namespaces"] = float(len(self._spaces))
             out["tombstones"] = float(sum(len(s.tombstones) for s in self._spaces.values()))
             out["gpu_index"] = float(self._gpu)
+            out["cached_vectors"] = float(len(self._encoder.cache))
+            out["window_ms"] = self.window_ms
             return out
