@@ -221,3 +221,41 @@ def test_one_salt_per_tenant_as_the_operator_guide_shows(readme_server):
     assert records[1]["provenance"] == "exact_external_kv_hit", records[1]
     assert records[1]["external_tokens"] >= 128, records[1]
     assert other.choices[0].text and same.choices[0].text
+
+
+def test_a_20_turn_chat_is_served_its_history_and_answers_as_a_cold_server(
+    readme_server, tmp_path
+):
+    """The most common growing prefix: a chat that re-sends its history every turn, through
+    the ``openai`` client and the bundled model's chat template. A plain vLLM server (the
+    README's flags, no semkv) answers every turn cold (its prefix cache reset first); the
+    README's server gets the same conversation with vLLM's own prefix cache reset before every
+    turn, so only semkv can serve the history: from the second turn on it serves the previous
+    turn's prompt (its whole blocks) from its store, and every answer equals the cold one.
+    ``benchmarks/chat_turns.py`` times the same chat (cold, vLLM's own hit, semkv)."""
+    from semkv_vllm.bench.chat import questions, run_chat
+    from semkv_vllm.bench.serve import served, server_args
+
+    users = questions(20, seed=3)
+    with served(server_args(None), log=tmp_path / "plain.log") as plain:
+        cold = run_chat(plain, users, arms=("cold",), max_tokens=16)
+    base, log = readme_server
+    ready = [json.loads(line[line.index("{"):]) for line in log.read_text().splitlines()
+             if "semkv_connector_ready" in line and "{" in line]
+    block = ready[0]["block_size"]
+    before = len(_served(log))
+    ours = run_chat(base, users, arms=("cold",), max_tokens=16,
+                    answers=[t.answers["cold"] for t in cold])
+    records = _served(log)[before:]
+    assert len(records) == 20, records
+    assert [t.prompt_tokens for t in ours] == [t.prompt_tokens for t in cold]
+    assert cold[0].prompt_tokens >= block  # the first turn leaves a whole block to serve
+    for i, (turn, record) in enumerate(zip(ours, records, strict=True)):
+        assert turn.answers["cold"] == cold[i].answers["cold"], f"turn {i}"
+        assert record["local_prefix_tokens"] == 0  # vLLM's own cache was emptied
+        if i == 0:
+            assert record["external_tokens"] == 0
+            continue
+        history = cold[i - 1].prompt_tokens // block * block
+        assert record["provenance"] == "exact_external_kv_hit", (i, record)
+        assert record["external_tokens"] == record["confirmed_loaded_tokens"] == history, i

@@ -133,7 +133,8 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
                             else None),
                 cost_gate=EngineCost.from_vllm_config(vllm_config))
             log.info("semkv_connector_ready", mode=str(self.config.semantic_mode),
-                     provider=self.config.provider, slots=slots, bytes_per_slot=per_slot)
+                     provider=self.config.provider, slots=slots, bytes_per_slot=per_slot,
+                     block_size=block_size)
         else:
             check_store_fits_host(self.config)
             self._worker = WorkerSide(slots, layerwise=self.config.layerwise_load, rope=rope,
