@@ -12,8 +12,9 @@ Roles:
   server it then empties vLLM's cache and runs a longer prompt that starts with the stored one
   (LMCache's own prefix lookup serves its chunks), then that again (vLLM's own hit).
 
-With ``REDIS_URL`` both roles also share discovery through that server (instance id = role),
-and ``reuse`` pauses after its first request: it writes ``OUT.ready`` and waits for
+With ``REDIS_URL`` both roles also share discovery through that server (instance id = role);
+``reuse`` runs the longer prompt as above, then once more from nothing (semkv's lookup off,
+vLLM's cache emptied: cold), and pauses: it writes ``OUT.ready`` and waits for
 ``OUT.go`` (the test kills the server in between), then serves the prompt again, and the
 counters it reports cover the outage.
 """
@@ -58,6 +59,15 @@ def _run(llm: object, prompt: str, max_tokens: int = 16) -> dict[str, object]:
             "semkv": (out.kv_transfer_params or {}).get("semkv")}
 
 
+def _run_cold(llm: object, prompt: str, max_tokens: int = 16) -> dict[str, object]:
+    """The prompt computed from nothing: semkv's lookup and load off (a request option)."""
+    from tests.engine_utils import generate_ids
+
+    out = generate_ids(llm, prompt, max_tokens, params={"semkv_options": {"lookup": False}})
+    return {"tokens": list(out.outputs[0].token_ids),
+            "semkv": (out.kv_transfer_params or {}).get("semkv")}
+
+
 def main(role: str, url: str, prompt_file: str, out_file: str,
          redis_url: str | None = None) -> None:
     from tests.engine_utils import engine, semkv_metrics, settled_reset
@@ -72,7 +82,14 @@ def main(role: str, url: str, prompt_file: str, out_file: str,
             time.sleep(1.0)  # LMCache stores after the forward; let the store land
         else:
             result["shared"] = _run(llm, prompt)
-            if redis_url:  # the test kills the discovery server now
+            if redis_url:
+                # a longer prompt that starts with the stored one, discovery still shared
+                settled_reset(llm)  # vLLM forgets: only LMCache holds the prompt's chunks
+                result["longer"] = _run(llm, prompt + LONGER)
+                result["longer_local"] = _run(llm, prompt + LONGER)  # vLLM's own hit
+                settled_reset(llm)
+                result["longer_cold"] = _run_cold(llm, prompt + LONGER)
+                # the test kills the discovery server now
                 result["before_outage"] = semkv_metrics(llm)
                 Path(out_file + ".ready").write_text("1")
                 _wait_for(Path(out_file + ".go"))

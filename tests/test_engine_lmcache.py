@@ -216,9 +216,19 @@ def test_replicas_share_discovery_in_redis_and_kv_in_lmcache(lmcache_url, redis_
         "remote_donors": before.get("vllm:semkv_remote_donors"),
         "first": {k: first[k] for k in ("provenance", "external_tokens")},
         "outage": {k: outage[k] for k in ("provenance", "external_tokens")},
+        "longer": {k: b["longer"]["semkv"][k] for k in ("provenance", "external_tokens")},
         "lookup_errors": {k: v for k, v in after.items() if "lookup_errors" in k}}))
     # B discovered A's donor through Redis (its tokens came with the lookup) ...
     assert before.get("vllm:semkv_remote_donors", 0) >= 1
+    # A longer prompt that starts with what A computed is served that prefix on B from
+    # LMCache: the exact prefix lookup across replicas is LMCache's chained chunk keys (the
+    # same chain as semkv's own prefix index), whatever the shared provider proposes; its
+    # answer equals vLLM's own prefix hit and a cold prefill (semkv's lookup off).
+    longer, cold = b["longer"], b["longer_cold"]
+    assert longer["semkv"]["provenance"] == "exact_external_kv_hit", longer["semkv"]
+    assert longer["semkv"]["external_tokens"] >= first["external_tokens"] - 32, longer["semkv"]
+    assert cold["semkv"]["external_tokens"] == 0 == cold["semkv"]["local_prefix_tokens"], cold
+    assert longer["tokens"] == b["longer_local"]["tokens"] == cold["tokens"]
     # ... and loaded the prompt's KV, which A computed, from LMCache: the exact tier
     assert first["provenance"] == "exact_external_kv_hit" and first["external_tokens"] >= 256
     # Redis killed mid-run: the next request is not failed; LMCache still serves it, and the
