@@ -54,6 +54,23 @@ def test_a_long_document_behind_a_stored_system_prompt_is_served_the_prompt():
     h.assert_no_leaks()
 
 
+def _six_stored_blocks_served(h, seed: int, flush: bool = False) -> dict[str, float]:
+    """A 300-token donor (9 whole blocks + 12 tokens) run, then forgotten by vLLM; a target
+    starting with its first 6 blocks is served exactly those from the store, its own KV
+    checked. Returns every counter."""
+    tokens = doc(seed, 300)
+    donor_then_forget(h, tokens)
+    if flush:
+        h.side.provider.flush()
+    target = tokens[: 6 * BLOCK] + doc(seed + 1, 100)
+    h.add("target", target)
+    assert run_checking_own_kv(h, "target", target)
+    summary = h.outputs["target"]["semkv"]
+    assert summary["provenance"] == "exact_external_kv_hit", summary
+    assert summary["confirmed_loaded_tokens"] == 6 * BLOCK
+    return counters(h)
+
+
 @pytest.mark.parametrize("kind", sorted(PROVIDER_FAULTS))
 def test_every_provider_fault_still_leaves_the_exact_prefix_served(kind):
     """``tests/test_faults.py`` shows each fault falling back on a target with no stored
@@ -61,15 +78,7 @@ def test_every_provider_fault_still_leaves_the_exact_prefix_served(kind):
     h = harness(dict(EXACT, provider="faulty", lookup_timeout_ms=50,
                      provider_config={"inner": "chunks", "faults": [kind], "rate": 1.0,
                                       "hang_seconds": 0.3}))
-    tokens = doc(4, 300)  # 9 whole blocks + 12 tokens
-    donor_then_forget(h, tokens)
-    target = tokens[: 6 * BLOCK] + doc(5, 100)
-    h.add("target", target)
-    assert run_checking_own_kv(h, "target", target)
-    summary = h.outputs["target"]["semkv"]
-    assert summary["provenance"] == "exact_external_kv_hit", summary
-    assert summary["confirmed_loaded_tokens"] == 6 * BLOCK
-    got = counters(h)
+    got = _six_stored_blocks_served(h, seed=4)
     reason, guard_counter = PROVIDER_FAULTS[kind]
     index_hits = {k: v for k, v in got.items() if k.startswith("prefix_index_hits:")}
     assert sum(index_hits.values()) == 1, index_hits
@@ -87,16 +96,8 @@ def test_an_embedding_lookup_over_its_budget_still_leaves_the_exact_prefix_serve
     pytest.importorskip("sentence_transformers")
     h = harness(dict(EXACT, provider="embedding", lookup_timeout_ms=1,
                      provider_config={"vector_cache_entries": 0}))
-    tokens = doc(6, 300)
-    donor_then_forget(h, tokens)
-    h.side.provider.flush()  # the donor indexed: the target's lookup has a space to search
-    target = tokens[: 6 * BLOCK] + doc(7, 100)
-    h.add("target", target)
-    assert run_checking_own_kv(h, "target", target)
-    summary = h.outputs["target"]["semkv"]
-    assert summary["provenance"] == "exact_external_kv_hit", summary
-    assert summary["confirmed_loaded_tokens"] == 6 * BLOCK
-    got = counters(h)
+    # flushed: the donor is indexed, so the target's lookup has a space to search (and embeds)
+    got = _six_stored_blocks_served(h, seed=6, flush=True)
     assert got.get("prefix_index_hits:failed", 0) == 1, got
     assert got.get("lookup_errors:timeouts", 0) >= 1, got
     h.assert_no_leaks()

