@@ -18,18 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-# The README's `vllm serve` command's kv_connector_extra_config (the recommended setting).
-README_CONFIG = {"provider": "minhash", "semantic_mode": "materialize_semantic"}
-
 
 def measure(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     from semkv_vllm.bench.chat import questions, run_chat
     from semkv_vllm.bench.serve import post, served, served_records, server_args
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from exact_ttft import readme_extra_config  # the README's serve command's own config
 
     users = questions(args.turns, seed=args.seed)
     with served(server_args(None), log=logs / "plain.log") as base:
@@ -42,7 +43,7 @@ def measure(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
                         answers=reference)
     for p, h in zip(plain, hits, strict=True):
         p.ttft_s["hit"], p.answers["hit"] = h.ttft_s["hit"], h.answers["hit"]
-    with served(server_args(README_CONFIG), log=logs / "semkv.log") as base:
+    with served(server_args(readme_extra_config()), log=logs / "semkv.log") as base:
         ours = run_chat(base, users, arms=("cold",), max_tokens=args.max_tokens,
                         answers=reference)
     records = served_records(logs / "semkv.log")

@@ -43,10 +43,9 @@ class Texts:
     every length asked for: no two prompts of a run share text, so none finds another."""
 
     def __init__(self) -> None:
-        from semkv.assets import essays_dir
+        from semkv.eval.corpus import load_essays
 
-        self._text = "\n\n".join(p.read_text(errors="ignore")
-                                 for p in sorted(essays_dir().glob("*.txt")))
+        self._text = "\n\n".join(essay.text for essay in load_essays())
         self._at = 0
 
     def take(self, chars: int) -> str:

