@@ -51,19 +51,12 @@ def _wait_for(path: Path, seconds: float = 300.0) -> None:
         time.sleep(0.1)
 
 
-def _run(llm: object, prompt: str, max_tokens: int = 16) -> dict[str, object]:
-    from tests.engine_utils import greedy
-
-    out = greedy(llm, [prompt], max_tokens=max_tokens)[0]
-    return {"tokens": list(out.outputs[0].token_ids),
-            "semkv": (out.kv_transfer_params or {}).get("semkv")}
-
-
-def _run_cold(llm: object, prompt: str, max_tokens: int = 16) -> dict[str, object]:
-    """The prompt computed from nothing: semkv's lookup and load off (a request option)."""
+def _run(llm: object, prompt: str, max_tokens: int = 16,
+         params: dict[str, object] | None = None) -> dict[str, object]:
+    """One greedy request; ``params``: its ``kv_transfer_params`` (semkv's request options)."""
     from tests.engine_utils import generate_ids
 
-    out = generate_ids(llm, prompt, max_tokens, params={"semkv_options": {"lookup": False}})
+    out = generate_ids(llm, prompt, max_tokens, params=params)
     return {"tokens": list(out.outputs[0].token_ids),
             "semkv": (out.kv_transfer_params or {}).get("semkv")}
 
@@ -88,7 +81,9 @@ def main(role: str, url: str, prompt_file: str, out_file: str,
                 result["longer"] = _run(llm, prompt + LONGER)
                 result["longer_local"] = _run(llm, prompt + LONGER)  # vLLM's own hit
                 settled_reset(llm)
-                result["longer_cold"] = _run_cold(llm, prompt + LONGER)
+                # the prompt computed from nothing: semkv's lookup (and so its load) off
+                result["longer_cold"] = _run(llm, prompt + LONGER,
+                                             params={"semkv_options": {"lookup": False}})
                 # the test kills the discovery server now
                 result["before_outage"] = semkv_metrics(llm)
                 Path(out_file + ".ready").write_text("1")
