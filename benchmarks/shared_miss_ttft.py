@@ -2,16 +2,17 @@
 (issue #51: the miss path stays in the noise, target <= 1.02x).
 
 Three services on loopback, started here: a Redis-protocol server, ``lmcache server`` (chunk =
-vLLM's block size, 32) and a semkv server with docs/lmcache.md's configuration plus shared
-discovery (``provider: chunks``, ``materialize_exact``, ``donor_store: lmcache``,
-``provider_config.discovery_store`` = the Redis URL) on the README's flags (``--block-size
-32``). Every prompt is new (consecutive, non-overlapping windows of the bundled essays, never
+vLLM's block size, 32; KV through shared memory, as docs/lmcache.md starts it) and a semkv
+server with docs/lmcache.md's configuration plus shared discovery (``provider: chunks``,
+``materialize_exact``, ``donor_store: lmcache``, ``provider_config.discovery_store`` = the
+Redis URL) on the README's flags (``--block-size 32``). Every prompt is new (consecutive, non-overlapping windows of the bundled essays, never
 written or logged), so ``miss`` pays the provider's lookup in Redis, the prefix index, the
 donor's registration and save, and finds nothing; ``cold`` is another new prompt of the same
 length opting out of semkv (``semkv_options``: lookup and save off). One server for both: two
 servers differ by more than the 2 % measured (their build order alone moved TTFT 8-10 % in
 earlier runs; ``--plain`` adds a plain vLLM server's cold beside them to show it). Pairs
-alternate their order; TTFT is measured at the client (streamed completion, one token), and
+alternate their order; TTFT is measured at the client (streamed completion of two tokens:
+the second token's step pays a store held past the first, reported as the whole answer), and
 semkv's own time on the critical path is read from ``/metrics`` around each request
 (``vllm:semkv_scheduler_seconds`` + ``vllm:semkv_save_wait_seconds``).
 
@@ -57,14 +58,23 @@ class Texts:
 
 
 def _ttft(client: Any, model: str, prompt: str, extra: dict[str, Any] | None) -> float:
+    return _timed(client, model, prompt, extra)[0]
+
+
+def _timed(client: Any, model: str, prompt: str,
+           extra: dict[str, Any] | None) -> tuple[float, float]:
+    """(time to the first token, time to the whole two-token answer), at the client: the
+    second token's step is where a store held past the first token is paid."""
     started = time.perf_counter()
-    stream = client.completions.create(model=model, prompt=prompt, max_tokens=1,
-                                       temperature=0, stream=True, extra_body=extra)
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=2,
+                                       temperature=0, stream=True,
+                                       extra_body={**(extra or {}), "ignore_eos": True})
     first = None
     for _ in stream:
         if first is None:
             first = time.perf_counter()
-    return (first or time.perf_counter()) - started
+    end = time.perf_counter()
+    return (first or end) - started, end - started
 
 
 CRITICAL = ("vllm:semkv_scheduler_seconds_sum", "vllm:semkv_save_wait_seconds_sum")
@@ -91,8 +101,8 @@ def _pairs(client: Any, base: str, model: str, texts: Texts, args: argparse.Name
         for name in order:
             time.sleep(args.pause_s)  # the last donor save settles first
             spent = _semkv_seconds(base)
-            row[f"{name}_s"] = _ttft(client, model, texts.take(chars),
-                                     optout if name == "cold" else None)
+            row[f"{name}_s"], row[f"{name}_end_s"] = _timed(
+                client, model, texts.take(chars), optout if name == "cold" else None)
             time.sleep(args.pause_s)  # metrics are exported on the engine's steps
             row[f"{name}_semkv_s"] = _semkv_seconds(base) - spent
         if plain is not None:
@@ -121,7 +131,8 @@ def measure(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
             config["provider_config"] = {"discovery_store": redis_url}
         if args.store == "lmcache":
             lmcache_url = stack.enter_context(
-                lmcache_server(logs / "lmcache.log", chunk_size=BLOCK))
+                lmcache_server(logs / "lmcache.log", chunk_size=BLOCK,
+                               shm_name=None if args.lmcache_shm else ""))
             config.update(donor_store="lmcache", lmcache_server_url=lmcache_url)
         plain = None
         if args.plain:
@@ -155,14 +166,23 @@ def main() -> None:
                     help="the provider's index: shared in Redis (default) or in the process")
     ap.add_argument("--store", choices=["lmcache", "host"], default="lmcache",
                     help="donor KV: the shared LMCache server (default) or semkv's host store")
+    ap.add_argument("--lmcache-shm", action=argparse.BooleanOptionalAction, default=True,
+                    help="the lmcache server moves KV through shared memory (--shm-name), "
+                         "as docs/lmcache.md starts it; --no-lmcache-shm: pickled messages")
     ap.add_argument("--plain", action="store_true",
                     help="also a plain vLLM server's cold per pair (another server: biased)")
     ap.add_argument("--out", type=Path, default=Path("bench-results/shared_miss_ttft.json"))
+    ap.add_argument("--logs", type=Path, default=None,
+                    help="keep the servers' logs in this folder (default: a temporary one)")
     args = ap.parse_args()
     if len(args.pairs) != len(args.chars):
         ap.error("--pairs takes one count per --chars length")
-    with tempfile.TemporaryDirectory() as tmp:
-        result = measure(args, Path(tmp))
+    if args.logs is not None:
+        args.logs.mkdir(parents=True, exist_ok=True)
+        result = measure(args, args.logs)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = measure(args, Path(tmp))
     summary = {}
     med = statistics.median
     boot = random.Random(0)
@@ -179,7 +199,10 @@ def main() -> None:
                               if r["first"] == "cold"),
             "cold_median_s": med(r["cold_s"] for r in rows),
             "miss_median_s": med(r["miss_s"] for r in rows),
-            "semkv_share_of_miss": med(r["miss_semkv_s"] / r["miss_s"] for r in rows)}
+            "semkv_share_of_miss": med(r["miss_semkv_s"] / r["miss_s"] for r in rows),
+            # the whole two-token answer: what a store held past the first token costs
+            "miss_over_cold_answer_paired_median": med(r["miss_end_s"] / r["cold_end_s"]
+                                                       for r in rows)}
         if args.plain:
             summary[str(chars)]["plain_cold_median_s"] = med(r["plain_cold_s"] for r in rows)
     kinds: dict[str, int] = {}
@@ -187,7 +210,7 @@ def main() -> None:
         key = f"{r['provenance']}:{r['fallback_reason']}"
         kinds[key] = kinds.get(key, 0) + 1
     result.update(summary=summary, semkv_records=kinds, discovery=args.discovery,
-                  store=args.store,
+                  store=args.store, lmcache_shm=args.lmcache_shm,
                   started_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

@@ -101,3 +101,59 @@ def test_finished_retrieves_become_confirmations_unless_their_blocks_failed():
     tracker.errors |= {8}
     assert tracker.take() == ({}, {"b"})
     assert tracker.take() == ({}, set())  # each retrieve reported once
+
+
+class _RecordingLMCache:
+    """Stands in for LMCache's worker-side connector: records which metadata each store ran
+    with (the real one, on a CPU engine, is driven in tests/test_lmcache_serve.py)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.bound: object = None
+        self.stored: list[object] = []
+        self.fail = fail
+
+    def bind_connector_metadata(self, meta: object) -> None:
+        self.bound = meta
+
+    def wait_for_save(self) -> None:
+        if self.fail:
+            raise ConnectionError("server gone")
+        self.stored.append(self.bound)
+
+    def clear_connector_metadata(self) -> None:
+        self.bound = None
+
+
+def test_a_held_store_runs_with_its_own_steps_metadata_at_the_next_step_or_at_exit():
+    lmcache = _RecordingLMCache()
+    saves = lmcache_store.DeferredSave(lmcache)
+    step1, step2 = _Meta([_Req("a", "STORE", _Op([1], 0, 32))]), _Meta()
+    saves.hold(step1)
+    assert lmcache.stored == []  # the step's tokens go out first
+    saves.run()  # the next step starts
+    assert lmcache.stored == [step1] and lmcache.bound is None
+    saves.run()
+    assert lmcache.stored == [step1]  # once
+    saves.hold(step2)
+    saves.hold(step1)  # a second hold without a step between runs the first one first
+    assert lmcache.stored == [step1, step2]
+    saves.run_at_exit()
+    assert lmcache.stored == [step1, step2, step1]
+
+    gone = _RecordingLMCache(fail=True)
+    saves = lmcache_store.DeferredSave(gone)
+    saves.hold(step1)
+    saves.run_at_exit()  # logged, not raised: the engine stops whatever the server says
+    assert gone.bound is None
+
+
+def test_stores_are_held_only_for_host_kv_in_an_engine_core_of_its_own(monkeypatch):
+    import torch
+
+    cpu = {"layer.0": torch.zeros(1)}
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert lmcache_store.holds_saves(cpu)
+    assert not lmcache_store.holds_saves({"layer.0": SimpleNamespace(
+        device=SimpleNamespace(type="cuda"))})  # LMCache's device store is asynchronous
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    assert not lmcache_store.holds_saves(cpu)  # steps only when asked: a held store waits

@@ -94,6 +94,8 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
         self._shared: Any = None  # donor_store=lmcache: LMCache's connector, same role
         self._shared_loads: Any = None
         self._shared_found: dict[str, int] = {}  # request id -> tokens LMCache can load
+        self._shared_meta: Any = None  # this step's LMCache metadata (worker side)
+        self._deferred_save: Any = None  # KV on CPU: LMCache's store runs a step later
         if self.config.donor_store == "lmcache":
             self._shared, self._shared_loads = build_shared_store(
                 self.config, vllm_config, role, kv_cache_config)
@@ -172,10 +174,13 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
         if self._shared is not None:
-            from semkv_vllm.lmcache_store import init_cpu_amx
+            from semkv_vllm.lmcache_store import DeferredSave, holds_saves, init_cpu_amx
 
             init_cpu_amx()
             self._shared.register_kv_caches(kv_caches)
+            if holds_saves(kv_caches):
+                self._deferred_save = DeferredSave(self._shared)
+            log.info("lmcache_saves", held_one_step=self._deferred_save is not None)
         if self.config.semantic_mode.materializes and (self._shared is None or self._fetches):
             self._worker.register_kv_caches(kv_caches)  # with LMCache: the fetches' slots
         if self._fetches:
@@ -204,10 +209,13 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
                 log.info("span_realization", available=self._worker.realizer is not None)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        if self._deferred_save is not None:
+            self._deferred_save.run()  # normally already run by handle_preemptions
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
             self._worker.bind(connector_metadata)
         if self._shared is not None and isinstance(connector_metadata, SemkvMetadata):
+            self._shared_meta = connector_metadata.shared
             self._shared.bind_connector_metadata(connector_metadata.shared)
             self._shared_loads.bind(connector_metadata.shared)
 
@@ -216,6 +224,7 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
         if self._worker is not None:
             self._worker.clear()
         if self._shared is not None:
+            self._shared_meta = None
             self._shared.clear_connector_metadata()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -239,7 +248,9 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
     def wait_for_save(self) -> None:
         if self._worker is not None:
             self._worker.wait_for_save()
-        if self._shared is not None:
+        if self._deferred_save is not None and self._shared_meta is not None:
+            self._deferred_save.hold(self._shared_meta)
+        elif self._shared is not None:
             self._shared.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -290,6 +301,8 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
         # rewritten: the last moment an in-flight save may still read them.
         if self._worker is not None:
             self._worker.drain_saves()
+        if self._deferred_save is not None:
+            self._deferred_save.run()
         if self._shared is not None and isinstance(kv_connector_metadata, SemkvMetadata):
             self._shared.handle_preemptions(kv_connector_metadata.shared)
 
@@ -419,6 +432,8 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
             self._scheduler.shutdown()
         if self._worker is not None:
             self._worker.shutdown()
+        if self._deferred_save is not None:
+            self._deferred_save.run_at_exit()  # the last step's store
         if self._shared is not None:
             self._shared.shutdown()
 

