@@ -53,15 +53,16 @@ def questions(turns: int, *, chars: int = 360, seed: int = 0) -> list[str]:
     return out
 
 
-def _ask(client: Any, model: str, messages: list[dict[str, str]],
-         max_tokens: int) -> tuple[float, str, int]:
+def _ask(client: Any, model: str, messages: list[dict[str, str]], max_tokens: int,
+         params: dict[str, Any] | None = None) -> tuple[float, str, int]:
     started = time.perf_counter()
     first: float | None = None
     pieces: list[str] = []
     prompt_tokens = 0
     stream = client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True})
+        stream_options={"include_usage": True},
+        extra_body={"kv_transfer_params": params} if params is not None else None)
     for chunk in stream:
         if chunk.usage is not None:
             prompt_tokens = chunk.usage.prompt_tokens
@@ -75,8 +76,10 @@ def _ask(client: Any, model: str, messages: list[dict[str, str]],
 
 
 def run_chat(base: str, users: list[str], *, arms: tuple[str, ...], reference: str = "cold",
-             max_tokens: int = 24, answers: list[str] | None = None) -> list[Turn]:
-    """The chat on the server at ``base``; per turn each arm's TTFT and answer."""
+             max_tokens: int = 24, answers: list[str] | None = None,
+             params: dict[str, Any] | None = None) -> list[Turn]:
+    """The chat on the server at ``base``; per turn each arm's TTFT and answer (``params``:
+    every request's ``kv_transfer_params``, e.g. semkv's request options)."""
     import openai
 
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
@@ -90,7 +93,7 @@ def run_chat(base: str, users: list[str], *, arms: tuple[str, ...], reference: s
             if arm == "cold" and not post(base + "/reset_prefix_cache").get("success", True):
                 raise RuntimeError("the server did not reset its prefix cache")
             time.sleep(PAUSE_S)
-            ttft, text, turn.prompt_tokens = _ask(client, model, messages, max_tokens)
+            ttft, text, turn.prompt_tokens = _ask(client, model, messages, max_tokens, params)
             turn.ttft_s[arm], turn.answers[arm] = ttft, text
         turns.append(turn)
         said = answers[i] if answers is not None else turn.answers[reference]
