@@ -4,17 +4,18 @@
 Three services on loopback, started here: a Redis-protocol server, ``lmcache server`` (chunk =
 vLLM's block size, 32; KV through shared memory, as docs/lmcache.md starts it) and a semkv
 server with docs/lmcache.md's configuration plus shared discovery (``provider: chunks``,
-``materialize_exact``, ``donor_store: lmcache``, ``provider_config.discovery_store`` = the
-Redis URL) on the README's flags (``--block-size 32``). Every prompt is new (consecutive, non-overlapping windows of the bundled essays, never
-written or logged), so ``miss`` pays the provider's lookup in Redis, the prefix index, the
-donor's registration and save, and finds nothing; ``cold`` is another new prompt of the same
-length opting out of semkv (``semkv_options``: lookup and save off). One server for both: two
-servers differ by more than the 2 % measured (their build order alone moved TTFT 8-10 % in
-earlier runs; ``--plain`` adds a plain vLLM server's cold beside them to show it). Pairs
-alternate their order; TTFT is measured at the client (streamed completion of two tokens:
-the second token's step pays a store held past the first, reported as the whole answer), and
-semkv's own time on the critical path is read from ``/metrics`` around each request
-(``vllm:semkv_scheduler_seconds`` + ``vllm:semkv_save_wait_seconds``).
+``materialize_exact``, ``donor_store: lmcache``, ``provider_config.discovery_store`` = the Redis
+URL) on the README's flags (``--block-size 32``). Every prompt is new (consecutive,
+non-overlapping windows of the bundled essays, never written or logged), so ``miss`` pays the
+provider's lookup in Redis, the prefix index, the donor's registration and save, and finds
+nothing; ``cold`` is another new prompt of the same length opting out of semkv
+(``semkv_options``: lookup and save off). One server for both: two servers differ by more than
+the 2 % measured (their build order alone moved TTFT 8-10 % in earlier runs; ``--plain`` adds a
+plain vLLM server's cold beside them to show it). Pairs alternate their order; TTFT is measured
+at the client (streamed completion of two tokens: the second token's step pays a store held past
+the first, reported as the whole answer), and semkv's own time on the critical path is read from
+``/metrics`` around each request (``vllm:semkv_scheduler_seconds`` +
+``vllm:semkv_save_wait_seconds``).
 
 NOTE: the opted-out request still passes through the embedded LMCache connector (vLLM asks it
 about every request): ``cold`` includes LMCache's own lookup, so ``miss / cold`` is semkv's
