@@ -23,6 +23,8 @@ pytest.importorskip("lmcache", reason="needs lmcache (make test installs it)")
 
 from tests.engine_utils import essay_prompts  # noqa: E402
 
+pytestmark = pytest.mark.engine
+
 BLOCK = 32  # vLLM's block = LMCache's chunk, as docs/lmcache.md sets them
 FOLLOW_UP = "\n\nQuestion: what does the author claim, in one sentence?\nAnswer:"
 
