@@ -12,6 +12,11 @@ key is a digest of what determines the KV the model writes:
   70B checkpoint is read in milliseconds, not hashed whole;
 - the compute dtype and the KV-cache dtype the engine runs with.
 
+The same reading, without the dtypes, is the weights' identity (``weights_identity``), a field
+of the cache namespace: new weights rolled out under the same path never meet the old ones' KV.
+Both are cached, in memory and in semkv's cache folder, keyed by every file's size, mtime,
+ctime and inode, so an engine's start-up reads the folder once per change of its files.
+
 NOTE: the digest reads the folder only; it never loads weights. An edit confined to bytes
 between the sampled windows (with the same header) is not seen: the identity tells models
 apart, it is not an integrity check.
@@ -22,6 +27,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,21 +75,132 @@ def _file_fingerprint(path: Path, h: hashlib._Hash) -> None:
             h.update(f.read(WINDOW))
 
 
-def model_identity(folder: str | Path, *, dtype: str, kv_cache_dtype: str) -> ModelIdentity:
-    """The identity of the model in ``folder`` served with these dtypes."""
-    folder = Path(folder)
+def _files(folder: Path) -> list[Path]:
+    if folder.is_file():  # a single-file checkpoint (GGUF): its header holds its config
+        return [folder]
+    return [folder / "config.json", *_weight_files(folder)]
+
+
+def _stat_key(folder: Path, purpose: str) -> str:
+    """Changes whenever a file is rewritten, replaced or touched (ctime cannot be set back)."""
+    stats = []
+    for path in _files(folder):
+        st = path.stat()
+        stats.append([path.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
+    raw = json.dumps([str(folder.resolve()), purpose, stats], separators=(",", ":"))
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def _read_config(folder: Path) -> dict[str, object]:
     config_path = folder / "config.json"
     try:
-        config = json.loads(config_path.read_text())
+        config: dict[str, object] = json.loads(config_path.read_text())
     except (OSError, ValueError) as exc:
         raise ModelIdentityError(f"model folder {str(folder)!r}: cannot read config.json "
                                  f"({type(exc).__name__})") from None
+    return config
+
+
+def _digest(folder: Path, config: dict[str, object], suffix: str) -> str:
     kept = {k: v for k, v in config.items() if k not in _CONFIG_NOISE}
     h = hashlib.sha256()
     h.update(json.dumps(kept, sort_keys=True, separators=(",", ":")).encode())
-    for path in _weight_files(folder):
+    for path in [folder] if folder.is_file() else _weight_files(folder):
         _file_fingerprint(path, h)
-    h.update(f"|dtype={dtype}|kv={kv_cache_dtype}".encode())
-    arch = "/".join([str(config.get("model_type", "?")),
-                     *[str(a) for a in config.get("architectures") or []]])
-    return ModelIdentity(h.hexdigest()[:32], arch, dtype, kv_cache_dtype)
+    h.update(suffix.encode())
+    return h.hexdigest()[:32]
+
+
+class _DigestCache:
+    """Digests by ``_stat_key``: in memory, and in ``<semkv cache>/model-identity.json`` (the
+    last ``KEEP`` entries; written whole to a temporary file, then renamed)."""
+
+    KEEP = 64
+
+    def __init__(self) -> None:
+        self._memory: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def _path(self) -> Path:
+        from semkv.assets import cache_dir
+
+        return cache_dir() / "model-identity.json"
+
+    def get(self, key: str) -> str | None:
+        with self._lock:
+            if key in self._memory:
+                return self._memory[key]
+        try:
+            found = json.loads(self._path().read_text()).get(key)
+        except (OSError, ValueError, AttributeError):
+            return None
+        if isinstance(found, str):
+            with self._lock:
+                self._memory[key] = found
+            return found
+        return None
+
+    def put(self, key: str, digest: str) -> None:
+        with self._lock:
+            self._memory[key] = digest
+        try:
+            path = self._path()
+            try:
+                entries = json.loads(path.read_text())
+                entries = entries if isinstance(entries, dict) else {}
+            except (OSError, ValueError):
+                entries = {}
+            entries.pop(key, None)
+            entries[key] = digest
+            kept = dict(list(entries.items())[-self.KEEP:])
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+            tmp.write_text(json.dumps(kept))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only cache folder: the digest is computed again next start
+
+
+_CACHE = _DigestCache()
+
+
+def _cached_digest(folder: Path, config: dict[str, object], suffix: str) -> str:
+    key = _stat_key(folder, suffix)
+    found = _CACHE.get(key)
+    if found is None:
+        found = _digest(folder, config, suffix)
+        _CACHE.put(key, found)
+    return found
+
+
+def model_identity(folder: str | Path, *, dtype: str, kv_cache_dtype: str) -> ModelIdentity:
+    """The identity of the model in ``folder`` served with these dtypes."""
+    folder = Path(folder)
+    config = _read_config(folder)
+    digest = _cached_digest(folder, config, f"|dtype={dtype}|kv={kv_cache_dtype}")
+    architectures = config.get("architectures")
+    names = [str(a) for a in architectures] if isinstance(architectures, list) else []
+    arch = "/".join([str(config.get("model_type", "?")), *names])
+    return ModelIdentity(digest, arch, dtype, kv_cache_dtype)
+
+
+def weights_identity(folder: str | Path) -> str:
+    """The digest of ``folder``'s architecture config and weights (32 hex characters), whatever
+    dtype they are served with (``folder`` may be a single-file checkpoint, e.g. a GGUF);
+    raises ``ModelIdentityError`` naming what cannot be read."""
+    folder = Path(folder)
+    config = {} if folder.is_file() else _read_config(folder)
+    return _cached_digest(folder, config, "|weights")
+
+
+def model_folder(model: str, revision: str | None) -> Path | None:
+    """The local folder of ``model``: itself (or a single checkpoint file), or its Hugging Face
+    snapshot if cached."""
+    path = Path(model)
+    if path.is_dir() or path.is_file():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception:  # noqa: BLE001 - no local snapshot: the model has no identity here
+        return None

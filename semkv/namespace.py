@@ -1,7 +1,7 @@
 """Cache namespaces: KV may only ever be shared between requests of the same namespace.
 
-A namespace is the set of everything that changes what a KV block means: model and tokenizer
-identity, numerics, paging layout, parallel layout, adapters, positional settings and the
+A namespace is the set of everything that changes what a KV block means: model, weights and
+tokenizer identity, numerics, paging layout, parallel layout, adapters, positional settings and the
 tenant. Engine adapters fill it from the engine's own config (see ``semkv_vllm.namespace``).
 
 NOTE: a field whose value the adapter could not determine is ``None`` ("unknown"), and a
@@ -26,6 +26,7 @@ class Namespace(BaseModel):
 
     model_id: str | None
     model_revision: str | None
+    model_weights: str | None  # the weights' digest (semkv.model_identity.weights_identity)
     tokenizer_id: str | None
     tokenizer_revision: str | None
     tokenizer_settings: str | None  # mode, special tokens, chat template digest

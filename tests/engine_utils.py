@@ -24,6 +24,7 @@ import gc
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 CONNECTOR = {
@@ -255,6 +256,32 @@ def token_texts(llm: Any, seed: int, *sizes: int) -> list[list[int]]:
         text = "\n\n".join(essay_prompts(1 + size // 300, chars=2400, seed=seed + 10 * i))
         out.append(tok(text, add_special_tokens=False)["input_ids"][:size])
     return out
+
+
+def linked_copy(src: Path, dst: Path) -> Path:
+    """A model folder's copy, its files hard-linked where the file system allows (else copied):
+    a test changing a file replaces it (``flip_weights``), never writes into a shared inode."""
+    import shutil
+
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, dst, copy_function=link)
+    return dst
+
+
+def flip_weights(weights: Path) -> None:
+    """New weights of the same shapes in the old file's place, as a rollout writes them: every
+    tensor moves (one bit every 4 KiB past the safetensors header), the header stays."""
+    data = bytearray(weights.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    for i in range(start, len(data), 4096):
+        data[i] ^= 0x01
+    weights.unlink()
+    weights.write_bytes(bytes(data))
 
 
 def essay_prompts(count: int, *, chars: int = 2400, seed: int = 0) -> list[str]:

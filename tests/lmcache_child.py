@@ -12,6 +12,11 @@ Roles:
   server it then empties vLLM's cache and runs a longer prompt that starts with the stored one
   (LMCache's own prefix lookup serves its chunks), then that again (vLLM's own hit).
 
+- ``swapped``: runs the prompt, then again from nothing (semkv's lookup off, vLLM's cache
+  emptied: cold); started on weights swapped under the donor's path.
+
+Each process also reports its semkv namespace's digest.
+
 With ``REDIS_URL`` both roles also share discovery through that server (instance id = role);
 ``reuse`` runs the longer prompt as above, then once more from nothing (semkv's lookup off,
 vLLM's cache emptied: cold), and pauses: it writes ``OUT.ready`` and waits for
@@ -70,7 +75,13 @@ def main(role: str, url: str, prompt_file: str, out_file: str,
     started = time.perf_counter()
     with engine(semkv_config(url, redis_url, role)) as llm:
         result["start_seconds"] = time.perf_counter() - started
-        if role == "donor":
+        sched = llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
+        result["namespace"] = sched.connector._scheduler.namespace.digest
+        if role == "swapped":
+            result["shared"] = _run(llm, prompt)
+            settled_reset(llm)
+            result["cold"] = _run(llm, prompt, params={"semkv_options": {"lookup": False}})
+        elif role == "donor":
             result["donor"] = _run(llm, prompt, max_tokens=1)
             time.sleep(1.0)  # LMCache stores after the forward; let the store land
         else:

@@ -49,6 +49,8 @@ from tests.engine_utils import (  # noqa: E402
     MODEL_ENV,
     engine,
     essay_prompts,
+    flip_weights,
+    linked_copy,
     settled_reset,
 )
 from tests.redis_utils import RedisServer, redis_server  # noqa: E402,F401 - a fixture
@@ -129,20 +131,20 @@ def lmcache_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             proc.wait()
 
 
-def _tiny_env(**extra: str) -> dict[str, str]:
-    """A child's environment: its engines serve the tiny model (what these tests check is
-    where KV comes from and that it is exact, not what a trained model answers)."""
-    return dict(os.environ, **{MODEL_ENV: str(tiny_model_dir())}, **extra)
+def _tiny_env(model: Path | None = None, **extra: str) -> dict[str, str]:
+    """A child's environment: its engines serve the tiny model, or ``model`` (what these tests
+    check is where KV comes from and that it is exact, not what a trained model answers)."""
+    return dict(os.environ, **{MODEL_ENV: str(model or tiny_model_dir())}, **extra)
 
 
 def _child(role: str, url: str, prompt_file: Path, out: Path, redis: RedisServer | None = None,
-           ) -> dict:
+           model: Path | None = None) -> dict:
     """One vLLM process (tests/lmcache_child.py) in its own process group, always reaped.
 
     With ``redis`` the reuse role pauses after its first request; the server is killed then.
     """
     args = [sys.executable, "-m", "tests.lmcache_child", role, url, str(prompt_file), str(out)]
-    proc = subprocess.Popen([*args, redis.url] if redis else args, cwd=ROOT, env=_tiny_env(),
+    proc = subprocess.Popen([*args, redis.url] if redis else args, cwd=ROOT, env=_tiny_env(model),
                             start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     try:
@@ -238,6 +240,30 @@ def test_replicas_share_discovery_in_redis_and_kv_in_lmcache(lmcache_url, redis_
     errors = sum(v for k, v in after.items() if k.startswith("vllm:semkv_lookup_errors"))
     assert errors >= 1
     assert local["local_prefix_tokens"] >= first["external_tokens"]
+
+
+def test_new_weights_under_the_same_path_meet_no_donor_of_the_old(
+        lmcache_url, redis_server, tmp_path):  # noqa: F811
+    """A rollout writes new weights over the old ones at the same path (a local folder's
+    revision is "none"): the namespace follows the weights' digest, so the donor the old
+    weights computed is neither discovered in Redis nor loaded from LMCache; the prompt is
+    computed, and answers as a cold prefill on the new weights."""
+    model = linked_copy(tiny_model_dir(), tmp_path / "model")
+    prompt = essay_prompts(1, chars=1500, seed=41)[0] + "\n\nQuestion: what is the claim?\nAnswer:"
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(prompt)
+    old = _child("donor", lmcache_url, prompt_file, tmp_path / "old.json", redis_server, model)
+    flip_weights(model / "model.safetensors")
+    new = _child("swapped", lmcache_url, prompt_file, tmp_path / "new.json", redis_server, model)
+    first = new["shared"]["semkv"]
+    print("swapped weights:", json.dumps({  # counts only (shown with pytest -rA)
+        "remote_donors": new["metrics"].get("vllm:semkv_remote_donors", 0),
+        "first": {k: first[k] for k in ("provenance", "fallback_reason", "external_tokens")}}))
+    assert old["namespace"] != new["namespace"]
+    assert first["provenance"] == "fallback_recompute", first
+    assert first["external_tokens"] == 0 == first["local_prefix_tokens"], first
+    assert new["metrics"].get("vllm:semkv_remote_donors", 0) == 0  # Redis: not even found
+    assert new["shared"]["tokens"] == new["cold"]["tokens"]
 
 
 def _multi(url: str, semkv: dict) -> dict:

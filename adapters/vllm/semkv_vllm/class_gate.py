@@ -20,32 +20,18 @@ NOTE: a ``gate_policy`` file that does not parse, is stale, or names another mod
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from semkv.config import SemkvConfig
 from semkv.gate_policy import UNGATED, GatePolicy, resolve_policy
 from semkv.log import MAX_STRING, get_logger
-from semkv.model_identity import ModelIdentity, ModelIdentityError, model_identity
+from semkv.model_identity import ModelIdentity, ModelIdentityError, model_folder, model_identity
 from semkv.plan_class import PlanClass
 from semkv.realize.recompute import RecomputeStrategy
 from semkv.types import FallbackReason
 from semkv_vllm.namespace import dtype_name
 
 log = get_logger("semkv.vllm.class_gate")
-
-
-def model_folder(model: str, revision: str | None) -> Path | None:
-    """The local folder of ``model``: itself, or its Hugging Face snapshot if cached."""
-    path = Path(model)
-    if path.is_dir():
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model, revision=revision, local_files_only=True))
-    except Exception:  # noqa: BLE001 - no local snapshot: the model has no identity here
-        return None
 
 
 def engine_identity(vllm_config: Any) -> ModelIdentity | None:

@@ -2,6 +2,9 @@
 
 NOTE: any value that cannot be read is left unknown (``None``), which makes the namespace
 match nothing: a donor is never shared on a guess.
+NOTE: the model's path and revision do not tell weights apart (a local folder's revision is
+"none"): the weights' own digest is a field too, so new weights rolled out under the same path
+never meet the old ones' donors, in Redis or LMCache alike.
 """
 
 from __future__ import annotations
@@ -10,7 +13,10 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
+from semkv.log import MAX_STRING, get_logger
 from semkv.namespace import ABSENT, Namespace, canonical
+
+log = get_logger("semkv.vllm.namespace")
 
 
 def _read(fn: Callable[[], Any]) -> Any:
@@ -138,6 +144,24 @@ def _kv_layout(vllm_config: Any, backend: Any) -> str:
     return str(resolve_kv_cache_layout(probe, [supported]).name)
 
 
+def _weights(model_config: Any) -> str | None:
+    """The digest of the weights vLLM loads (None, and a warning, when they cannot be read:
+    the namespace then matches nothing, so no donor is shared on a guess)."""
+    from semkv.model_identity import ModelIdentityError, model_folder, weights_identity
+
+    folder = model_folder(str(model_config.model), getattr(model_config, "revision", None))
+    if folder is None:
+        log.warning("namespace_weights_unknown", why="no local model folder",
+                    effect="no donor is shared or served")
+        return None
+    try:
+        return weights_identity(folder)
+    except (ModelIdentityError, OSError) as exc:
+        log.warning("namespace_weights_unknown", why=str(exc)[: MAX_STRING - 1],
+                    effect="no donor is shared or served")
+        return None
+
+
 def namespace_from_vllm_config(vllm_config: Any) -> Namespace:
     """The engine-wide namespace; add each request's LoRA and salt with ``for_request``."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
@@ -148,6 +172,7 @@ def namespace_from_vllm_config(vllm_config: Any) -> Namespace:
     return Namespace(
         model_id=_read(lambda: str(mc.model)),
         model_revision=_read(lambda: _optional(mc.revision)),
+        model_weights=_read(lambda: _weights(mc)),
         tokenizer_id=_read(lambda: str(mc.tokenizer)),
         tokenizer_revision=_read(lambda: _optional(mc.tokenizer_revision)),
         tokenizer_settings=_read(lambda: _tokenizer_settings(mc)),

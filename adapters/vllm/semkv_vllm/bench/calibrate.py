@@ -189,8 +189,9 @@ def calibrate(opts: Options, *, command: str = "semkv calibrate") -> dict[str, A
     from semkv.bundled_model import served_as
     from semkv.calibrate import build_policy, measure, summary_table, write_policy
     from semkv.kv_sizing import kv_cache_bytes, kv_dtype_of
+    from semkv.model_identity import model_folder
     from semkv_vllm.bench.frontier import most_donors, run_frontier
-    from semkv_vllm.class_gate import engine_identity, model_folder
+    from semkv_vllm.class_gate import engine_identity
 
     model, dtype = served_as(opts.model, opts.dtype)
     folder = model_folder(model, opts.engine_args.get("revision"))
