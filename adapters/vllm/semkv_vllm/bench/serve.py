@@ -80,13 +80,22 @@ def post(url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
 
 @contextmanager
 def served(args: list[str], *, log: Path, timeout_s: float = 900.0) -> Iterator[str]:
-    """A running server with ``args``; yields its base URL, stops it (and its children)."""
+    """A running server with ``args``; yields its base URL, stops it (and its children).
+
+    NOTE: vLLM's CPU engine reserves one core for its other processes, and one more whenever a
+    KV connector is configured (for NIXL's); on a machine of two cores that second reservation
+    leaves none, so vLLM reserves nothing and a connector's server computed on both cores where a
+    plain one used one: twice as fast at prefill. Every server here reserves one core
+    (``VLLM_CPU_NUM_OF_RESERVED_CPU``, unless the caller's environment sets it), so servers
+    with and without the connector compute on the same cores.
+    """
     if "--kv-cache-memory-bytes" not in args:  # else vLLM sizes it from a fraction of the host
         raise ValueError("served(): args must give --kv-cache-memory-bytes (server_args does)")
     port = _free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args,
            "--host", "127.0.0.1", "--port", str(port)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
