@@ -4,6 +4,8 @@ Protocol (what a provider that opts in does; ``chunks`` and ``minhash`` do exact
 - its ``Config`` inherits ``SharedStoreConfig``: ``discovery_store`` is ``"memory"`` (the
   default: the provider's own in-process index) or ``redis://host:port/db`` (``rediss://`` for
   TLS); when it names a server the provider builds one ``RedisStore`` and keeps its index there;
+  credentials come from where ``store_password_env`` / ``store_password_file`` point
+  (``semkv.store_credentials``: checked with one ``PING`` at start-up, never in the config);
 - a donor is one record (a hash: its token ids as compact bytes plus provider fields) and any
   number of *postings*: members of sorted sets keyed by what the provider hashes (a chunk, an
   LSH band), scored by time so that the newest ``cap`` are kept;
@@ -39,7 +41,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 INSTALL_HINT = "pip install redis (built-in providers: pip install 'semkv-chunks[redis]')"
 _URL = re.compile(r"^(redis|rediss)://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+)(:\d{1,5})?(/\d{1,2})?$")
@@ -55,7 +57,8 @@ class DiscoveryStoreUnavailable(ConnectionError):
 class SharedStoreConfig(BaseModel):
     """``provider_config`` keys of a provider that can keep its index in a shared store."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # a refused value is never echoed: a URL may carry a password by mistake
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     discovery_store: str = Field(default="memory", description=(
         "Where the discovery index lives: 'memory' (this process) or 'redis://host:port/db' "
@@ -75,13 +78,32 @@ class SharedStoreConfig(BaseModel):
         "Shared store: first part of every key (separates deployments on one server)."))
     instance_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$", description=(
         "Shared store: this engine's name in donor ids (default: random per process)."))
+    store_username: str | None = Field(default=None, pattern=r"^[^\s:@/]{1,128}$", description=(
+        "Shared store: the Redis ACL user to authenticate as (default: the default user)."))
+    store_password_env: str | None = Field(
+        default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$", description=(
+            "Shared store: the NAME of the environment variable holding the password (read at "
+            "start-up; the password itself never goes into the config)."))
+    store_password_file: str | None = Field(default=None, min_length=1, description=(
+        "Shared store: a file whose first line is the password (read at start-up)."))
 
     @field_validator("discovery_store")
     @classmethod
     def _store_url(cls, value: str) -> str:
+        if "@" in value:
+            raise ValueError(
+                "discovery_store must not carry credentials (a config is dumped and logged): "
+                "put the user in store_username and the password in the environment variable "
+                "named by store_password_env, or in the file named by store_password_file")
         if value != "memory" and not _URL.match(value):
             raise ValueError("discovery_store must be 'memory' or redis[s]://host[:port][/db]")
         return value
+
+    @model_validator(mode="after")
+    def _one_password_source(self) -> SharedStoreConfig:
+        if self.store_password_env is not None and self.store_password_file is not None:
+            raise ValueError("set store_password_env or store_password_file, not both")
+        return self
 
     @property
     def shared(self) -> bool:
@@ -126,14 +148,20 @@ class RedisStore:
         self._errors: tuple[type[BaseException], ...] = (
             redis.ConnectionError, redis.TimeoutError, OSError)
 
-        def client(timeout_ms: float) -> Any:
+        from semkv.store_credentials import check_at_start, client_credentials
+
+        credentials = client_credentials(config)  # the secret: read here, kept by redis-py only
+
+        def client(timeout_ms: float, with_credentials: bool = True) -> Any:
             return redis.Redis.from_url(
                 config.discovery_store, socket_timeout=timeout_ms / 1e3,
                 socket_connect_timeout=timeout_ms / 1e3, retry=Retry(NoBackoff(), 0),
-                health_check_interval=0)
+                health_check_interval=0, **(credentials if with_credentials else {}))
 
         self._read: Any = client(config.store_timeout_ms)
         self._write: Any = client(config.store_write_timeout_ms)
+        check_at_start(self._write, config.discovery_store, config,
+                       anonymous=lambda: client(config.store_write_timeout_ms, False))
         self._down_until = 0.0
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()

@@ -45,10 +45,12 @@ def free_port() -> int:
 class RedisServer:
     """One server process on 127.0.0.1:port, data (none persisted) under ``workdir``."""
 
-    def __init__(self, binary: str, workdir: Path, port: int | None = None) -> None:
+    def __init__(self, binary: str, workdir: Path, port: int | None = None,
+                 extra_args: list[str] | None = None) -> None:
         self.binary = binary
         self.workdir = workdir
         self.port = port or free_port()
+        self.extra_args = list(extra_args or [])  # e.g. --requirepass, --user (ACL)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -58,7 +60,8 @@ class RedisServer:
     def start(self, seconds: float = 20.0) -> None:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.workdir), "--save", "", "--appendonly", "no",
-                "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning"]
+                "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning",
+                *self.extra_args]
         log = open(self.workdir / "server.log", "ab")  # noqa: SIM115 - owned by the process
         with log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
@@ -76,7 +79,7 @@ class RedisServer:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
+                return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))  # up (maybe locked)
         except OSError:
             return False
 

