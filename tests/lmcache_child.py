@@ -42,9 +42,11 @@ def semkv_config(url: str, redis_url: str | None = None, role: str = "") -> dict
         "donor_store": "lmcache", "lmcache_server_url": url}
     if redis_url:
         config["lookup_timeout_ms"] = 2000
+        from tests.redis_utils import store_auth
+
         config["provider_config"] = {"discovery_store": redis_url, "instance_id": role,
                                      "store_timeout_ms": 300.0,
-                                     "store_write_timeout_ms": 300.0}
+                                     "store_write_timeout_ms": 300.0, **store_auth()}
     return config
 
 

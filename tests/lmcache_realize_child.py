@@ -30,6 +30,8 @@ STORE_BYTES = 128 * 2**20  # host slots: the fetched donors (or the host store's
 
 
 def realize_config(role: str, url: str | None, redis_url: str | None) -> dict[str, Any]:
+    from tests.redis_utils import store_auth
+
     config: dict[str, Any] = {
         "provider": "chunks", "semantic_mode": "materialize_semantic",
         "semantic_tiers": ["verified"], "realize_spans": True,
@@ -39,7 +41,8 @@ def realize_config(role: str, url: str | None, redis_url: str | None) -> dict[st
     if role != "host":
         config.update({"donor_store": "lmcache", "lmcache_server_url": url,
                        "lookup_timeout_ms": 2000,
-                       "provider_config": {"discovery_store": redis_url, "instance_id": role}})
+                       "provider_config": {"discovery_store": redis_url, "instance_id": role,
+                                           **store_auth()}})
     return config
 
 

@@ -116,6 +116,36 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         server.stop()
 
 
+PASSWORD_ENV = "REDIS_TEST_PASSWORD"  # not SEMKV_*: semkv refuses unknown SEMKV_ variables
+
+
+def store_auth() -> dict[str, str]:
+    """``provider_config`` keys for a server that asks for a password (``auth_redis_server``
+    put it in ``PASSWORD_ENV``, which engine processes started by the test inherit)."""
+    return {"store_password_env": PASSWORD_ENV} if os.environ.get(PASSWORD_ENV) else {}
+
+
+@pytest.fixture
+def auth_redis_server(tmp_path_factory: pytest.TempPathFactory,
+                      monkeypatch: pytest.MonkeyPatch) -> Iterator[RedisServer]:
+    """A fresh server asking for a password (``--requirepass``, a random one in
+    ``PASSWORD_ENV`` for this test only), as production runs it; killed at teardown."""
+    import secrets
+
+    binary = server_binary()
+    if binary is None:
+        pytest.skip(f"no Redis-protocol server binary: {_INSTALL}")
+    password = secrets.token_hex(16)
+    monkeypatch.setenv(PASSWORD_ENV, password)
+    server = RedisServer(binary, tmp_path_factory.mktemp("redis"),
+                         extra_args=["--requirepass", password])
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url

@@ -72,8 +72,8 @@ def _round_trip(server: RedisServer, name: str, **store: Any) -> list[str]:
 @pytest.mark.parametrize("name", ["chunks", "minhash"])
 def test_the_password_from_an_environment_variable_serves(start: Start, monkeypatch, name):
     server = start("--requirepass", SECRET)
-    monkeypatch.setenv("SEMKV_TEST_REDIS_PASSWORD", SECRET)
-    assert _round_trip(server, name, store_password_env="SEMKV_TEST_REDIS_PASSWORD") == [
+    monkeypatch.setenv("REDIS_TEST_PASSWORD", SECRET)
+    assert _round_trip(server, name, store_password_env="REDIS_TEST_PASSWORD") == [
         "engine-a/d1"]
 
 
@@ -98,15 +98,15 @@ def _refused(build: Callable[[], DonorProvider]) -> str:
 def test_wrong_or_missing_credentials_stop_the_start(start: Start, monkeypatch,
                                                                  tmp_path: Path):
     locked = start("--requirepass", SECRET)
-    monkeypatch.setenv("SEMKV_TEST_REDIS_PASSWORD", "wrong-" + SECRET)
-    text = _refused(lambda: _provider(locked, store_password_env="SEMKV_TEST_REDIS_PASSWORD"))
-    assert "refused the credentials" in text and "store_password_env='SEMKV_TEST_REDIS_PASSWORD'" \
+    monkeypatch.setenv("REDIS_TEST_PASSWORD", "wrong-" + SECRET)
+    text = _refused(lambda: _provider(locked, store_password_env="REDIS_TEST_PASSWORD"))
+    assert "refused the credentials" in text and "store_password_env='REDIS_TEST_PASSWORD'" \
         in text, text
     text = _refused(lambda: _provider(locked))  # no password where the server asks for one
     assert "refused the credentials" in text and "no store_password_env" in text, text
-    monkeypatch.delenv("SEMKV_TEST_REDIS_PASSWORD")
-    text = _refused(lambda: _provider(locked, store_password_env="SEMKV_TEST_REDIS_PASSWORD"))
-    assert "store_password_env='SEMKV_TEST_REDIS_PASSWORD'" in text and "not set" in text, text
+    monkeypatch.delenv("REDIS_TEST_PASSWORD")
+    text = _refused(lambda: _provider(locked, store_password_env="REDIS_TEST_PASSWORD"))
+    assert "store_password_env='REDIS_TEST_PASSWORD'" in text and "not set" in text, text
     text = _refused(lambda: _provider(locked, store_password_file=str(tmp_path / "missing")))
     assert "store_password_file=" in text and "cannot read" in text, text
     acl = start("--user", "semkv", "on", f">{SECRET}", "~*", "&*", "+@all")
@@ -120,22 +120,22 @@ def test_a_password_for_an_open_server_is_warned_about(start: Start, monkeypatch
     """Redis accepts any password for a user that has none: the operator believes the store
     protected, it is not."""
     open_server = start()
-    monkeypatch.setenv("SEMKV_TEST_REDIS_PASSWORD", SECRET)
+    monkeypatch.setenv("REDIS_TEST_PASSWORD", SECRET)
     with caplog.at_level(logging.WARNING):
-        _provider(open_server, store_password_env="SEMKV_TEST_REDIS_PASSWORD").close()
+        _provider(open_server, store_password_env="REDIS_TEST_PASSWORD").close()
     assert "discovery_store_unprotected" in caplog.text and SECRET not in caplog.text
     caplog.clear()
     locked = start("--requirepass", SECRET)
     with caplog.at_level(logging.WARNING):
-        _provider(locked, store_password_env="SEMKV_TEST_REDIS_PASSWORD").close()
+        _provider(locked, store_password_env="REDIS_TEST_PASSWORD").close()
     assert "discovery_store_unprotected" not in caplog.text
 
 
 def test_an_unreachable_store_does_not_stop_the_start(start: Start, monkeypatch):
     server = start("--requirepass", SECRET)
     server.stop()  # down at start-up: the store degrades and retries, as without credentials
-    monkeypatch.setenv("SEMKV_TEST_REDIS_PASSWORD", SECRET)
-    _provider(server, store_password_env="SEMKV_TEST_REDIS_PASSWORD").close()
+    monkeypatch.setenv("REDIS_TEST_PASSWORD", SECRET)
+    _provider(server, store_password_env="REDIS_TEST_PASSWORD").close()
 
 
 @pytest.mark.parametrize("store, why", [
