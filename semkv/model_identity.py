@@ -75,10 +75,16 @@ def _file_fingerprint(path: Path, h: hashlib._Hash) -> None:
             h.update(f.read(WINDOW))
 
 
+def _checkpoint(folder: Path) -> list[Path]:
+    """The weight files: ``folder`` itself when it is a single-file checkpoint (GGUF: its
+    header holds its config), else the folder's."""
+    return [folder] if folder.is_file() else _weight_files(folder)
+
+
 def _files(folder: Path) -> list[Path]:
-    if folder.is_file():  # a single-file checkpoint (GGUF): its header holds its config
-        return [folder]
-    return [folder / "config.json", *_weight_files(folder)]
+    """Every file the digest reads (what its cache key stats)."""
+    config = [] if folder.is_file() else [folder / "config.json"]
+    return [*config, *_checkpoint(folder)]
 
 
 def _stat_key(folder: Path, purpose: str) -> str:
@@ -105,7 +111,7 @@ def _digest(folder: Path, config: dict[str, object], suffix: str) -> str:
     kept = {k: v for k, v in config.items() if k not in _CONFIG_NOISE}
     h = hashlib.sha256()
     h.update(json.dumps(kept, sort_keys=True, separators=(",", ":")).encode())
-    for path in [folder] if folder.is_file() else _weight_files(folder):
+    for path in _checkpoint(folder):
         _file_fingerprint(path, h)
     h.update(suffix.encode())
     return h.hexdigest()[:32]

@@ -99,16 +99,14 @@ def check_at_start(client: Any, store_url: str, config: CredentialSettings,
 
     try:
         client.ping()
-    except redis.AuthenticationError as exc:
+    except (redis.AuthenticationError, redis.ResponseError) as exc:
+        # a reply error that is not about credentials (NOAUTH, WRONGPASS, AUTH ...) is no refusal
+        if not isinstance(exc, redis.AuthenticationError) and not (
+                "AUTH" in str(exc) or "WRONGPASS" in str(exc)):
+            raise
         raise ConfigError(
             f"provider_config.discovery_store={store_url!r} refused the credentials "
             f"({describe(config)}): {_reason(exc)}") from None
-    except redis.ResponseError as exc:
-        if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc) or "AUTH" in str(exc):
-            raise ConfigError(
-                f"provider_config.discovery_store={store_url!r} refused the credentials "
-                f"({describe(config)}): {_reason(exc)}") from None
-        raise
     except (redis.ConnectionError, redis.TimeoutError, OSError):
         return False
     if anonymous is not None and (config.store_password_env or config.store_password_file):

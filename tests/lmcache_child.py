@@ -70,15 +70,14 @@ def _run(llm: object, prompt: str, max_tokens: int = 16,
 
 def main(role: str, url: str, prompt_file: str, out_file: str,
          redis_url: str | None = None) -> None:
-    from tests.engine_utils import engine, semkv_metrics, settled_reset
+    from tests.engine_utils import engine, scheduler_side, semkv_metrics, settled_reset
 
     prompt = Path(prompt_file).read_text()
     result: dict[str, object] = {"role": role}
     started = time.perf_counter()
     with engine(semkv_config(url, redis_url, role)) as llm:
         result["start_seconds"] = time.perf_counter() - started
-        sched = llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
-        result["namespace"] = sched.connector._scheduler.namespace.digest
+        result["namespace"] = scheduler_side(llm).namespace.digest
         if role == "swapped":
             result["shared"] = _run(llm, prompt)
             settled_reset(llm)
