@@ -1,5 +1,6 @@
 # The two set-up commands of the README: `make demo` (the main job) and `make test`.
-# Both create .venv on a fresh machine first (scripts/bootstrap.sh; a no-op when up to date).
+# Both create .venv on a fresh machine first (scripts/bootstrap.sh; a no-op when up to date),
+# after the system packages the tests need (scripts/system_packages.sh: a Redis with TLS).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Two pytest-xdist workers, one core each (tests/conftest.py); a module stays on one worker.
@@ -12,6 +13,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 .PHONY: env test test-fast test-cuda-build demo bench lint docs clean
 
 env:
+	@bash scripts/system_packages.sh
 	@bash scripts/bootstrap.sh
 
 test: env

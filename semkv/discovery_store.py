@@ -5,7 +5,8 @@ Protocol (what a provider that opts in does; ``chunks`` and ``minhash`` do exact
   default: the provider's own in-process index) or ``redis://host:port/db`` (``rediss://`` for
   TLS); when it names a server the provider builds one ``RedisStore`` and keeps its index there;
   credentials come from where ``store_password_env`` / ``store_password_file`` point
-  (``semkv.store_credentials``: checked with one ``PING`` at start-up, never in the config);
+  (``semkv.store_credentials``: checked with one ``PING`` at start-up, never in the config),
+  TLS from ``store_tls_*`` (``semkv.store_tls``: the server's certificate always verified);
 - a donor is one record (a hash: its token ids as compact bytes plus provider fields) and any
   number of *postings*: members of sorted sets keyed by what the provider hashes (a chunk, an
   LSH band), scored by time so that the newest ``cap`` are kept;
@@ -62,7 +63,8 @@ class SharedStoreConfig(BaseModel):
 
     discovery_store: str = Field(default="memory", description=(
         "Where the discovery index lives: 'memory' (this process) or 'redis://host:port/db' "
-        "(shared by every engine that names the same server and store_prefix)."))
+        "(shared by every engine that names the same server and store_prefix; rediss:// for "
+        "TLS, see store_tls_*)."))
     donor_ttl_s: float = Field(default=86_400.0, gt=0.0, description=(
         "Shared store: a donor not registered or found by a lookup for this long expires."))
     store_max_donors: int = Field(default=100_000, ge=1, description=(
@@ -86,6 +88,15 @@ class SharedStoreConfig(BaseModel):
             "start-up; the password itself never goes into the config)."))
     store_password_file: str | None = Field(default=None, min_length=1, description=(
         "Shared store: a file whose first line is the password (read at start-up)."))
+    store_tls_ca_file: str | None = Field(default=None, min_length=1, description=(
+        "rediss:// store: PEM file of the authority that signed the server's certificate "
+        "(default: the system's authorities)."))
+    store_tls_cert_file: str | None = Field(default=None, min_length=1, description=(
+        "rediss:// store: PEM client certificate, for a server with tls-auth-clients yes."))
+    store_tls_key_file: str | None = Field(default=None, min_length=1, description=(
+        "rediss:// store: PEM key of store_tls_cert_file (default: in the certificate's file)."))
+    store_tls_check_hostname: bool = Field(default=True, description=(
+        "rediss:// store: the server's certificate must name the host of discovery_store."))
 
     @field_validator("discovery_store")
     @classmethod
@@ -103,6 +114,19 @@ class SharedStoreConfig(BaseModel):
     def _one_password_source(self) -> SharedStoreConfig:
         if self.store_password_env is not None and self.store_password_file is not None:
             raise ValueError("set store_password_env or store_password_file, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _tls_needs_rediss(self) -> SharedStoreConfig:
+        tls = [name for name in ("store_tls_ca_file", "store_tls_cert_file",
+                                 "store_tls_key_file") if getattr(self, name) is not None]
+        if not self.store_tls_check_hostname:
+            tls.append("store_tls_check_hostname")
+        if tls and not self.discovery_store.startswith("rediss://"):
+            raise ValueError(f"{', '.join(tls)} apply to a TLS store: discovery_store must be "
+                             "rediss://host[:port][/db]")
+        if self.store_tls_key_file is not None and self.store_tls_cert_file is None:
+            raise ValueError("store_tls_key_file is the key of store_tls_cert_file: set both")
         return self
 
     @property
@@ -149,14 +173,16 @@ class RedisStore:
             redis.ConnectionError, redis.TimeoutError, OSError)
 
         from semkv.store_credentials import check_at_start, client_credentials
+        from semkv.store_tls import tls_arguments
 
         credentials = client_credentials(config)  # the secret: read here, kept by redis-py only
+        tls = tls_arguments(config)  # files checked here: a bad one stops the start
 
         def client(timeout_ms: float, with_credentials: bool = True) -> Any:
             return redis.Redis.from_url(
                 config.discovery_store, socket_timeout=timeout_ms / 1e3,
                 socket_connect_timeout=timeout_ms / 1e3, retry=Retry(NoBackoff(), 0),
-                health_check_interval=0, **(credentials if with_credentials else {}))
+                health_check_interval=0, **tls, **(credentials if with_credentials else {}))
 
         self._read: Any = client(config.store_timeout_ms)
         self._write: Any = client(config.store_write_timeout_ms)

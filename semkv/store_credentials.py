@@ -12,7 +12,9 @@ The secret is read once, when the store is built at engine start-up, and handed 
 only: no config dump, log line or error message contains it. At start-up the store sends one
 ``PING``: a server that refuses the credentials (wrong password, unknown user, none where it
 asks for one) is a start-up error naming these settings; an unreachable server is not (the
-store degrades to local discovery, see ``semkv.discovery_store``). With a password configured,
+store degrades to local discovery, see ``semkv.discovery_store``); over TLS, a certificate
+that does not verify or a client certificate the server refuses is a start-up error too
+(``semkv.store_tls``). With a password configured,
 a second ``PING`` without credentials tells whether the server is open to anyone who reaches
 it (Redis accepts any password for a user that has none): a warning,
 ``discovery_store_unprotected``.
@@ -27,11 +29,12 @@ from typing import Any, Protocol
 
 from semkv.config import ConfigError
 from semkv.log import get_logger
+from semkv.store_tls import TlsSettings, handshake_refusal, uses_tls
 
 log = get_logger("semkv.store")
 
 
-class CredentialSettings(Protocol):
+class CredentialSettings(TlsSettings, Protocol):
     """What this module reads of ``SharedStoreConfig``."""
 
     @property
@@ -107,7 +110,16 @@ def check_at_start(client: Any, store_url: str, config: CredentialSettings,
         raise ConfigError(
             f"provider_config.discovery_store={store_url!r} refused the credentials "
             f"({describe(config)}): {_reason(exc)}") from None
-    except (redis.ConnectionError, redis.TimeoutError, OSError):
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        refusal = handshake_refusal(exc, config)
+        if refusal is not None:
+            raise ConfigError(
+                f"provider_config.discovery_store={store_url!r}: {refusal}") from None
+        if uses_tls(config) and "handshake" in str(exc.__context__ or exc):
+            log.warning("discovery_store_tls_handshake_timeout", store=store_url,
+                        why="the server accepted the connection but not the TLS handshake in "
+                            "time: a redis:// (plain) port, or a stalled server",
+                        then="local discovery until it answers")
         return False
     if anonymous is not None and (config.store_password_env or config.store_password_file):
         probe = anonymous()

