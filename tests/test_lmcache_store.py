@@ -53,6 +53,22 @@ def test_bad_server_url_is_a_config_error():
         SemkvConfig.load({"donor_store": "redis"})
 
 
+@pytest.mark.parametrize("url, exposed", [
+    ("tcp://127.0.0.1:5555", False), ("tcp://localhost:5555", False),
+    ("tcp://127.0.0.2:5555", False), ("tcp://10.0.3.7:5555", True),
+    ("tcp://lmcache.internal:5555", True), ("grpc://0.0.0.0:5555", True)])
+def test_a_server_beyond_loopback_is_warned_unauthenticated(url, exposed, caplog):
+    """LMCache's client has no authentication: the operator is told at start-up where the
+    server can be reached from other hosts (checked when the connector is set up)."""
+    import logging
+
+    config = SemkvConfig.load({"donor_store": "lmcache", "semantic_mode": "materialize_exact",
+                               "lmcache_server_url": url})
+    with caplog.at_level(logging.WARNING):
+        lmcache_store.check_setup(config, _vllm())
+    assert ("lmcache_server_unauthenticated" in caplog.text) is exposed, caplog.text
+
+
 def test_inner_config_points_lmcache_at_the_server_and_salts_keys_with_the_namespace():
     from tests.vllm_harness import make_vllm_config
 

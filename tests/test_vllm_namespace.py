@@ -224,3 +224,24 @@ def test_weights_that_cannot_be_read_leave_the_namespace_unknown(tmp_path):
     ns = namespace_from_vllm_config(config)
     assert ns.model_weights is None and "model_weights" in ns.unknown_fields
     assert not ns.is_complete
+
+
+def test_a_reset_after_weights_reloaded_in_place_follows_them(tmp_path, caplog):
+    """``reset_prefix_cache(reset_connector=True)`` after an in-place reload: the namespace is
+    read again; with LMCache's keys fixed at start-up it is left unknown (restart) instead."""
+    import logging
+
+    from semkv_vllm.namespace import namespace_after_reset, namespace_from_vllm_config
+
+    folder = linked_copy(ensure_model(), tmp_path / "model")
+    config = _config(model=str(folder))
+    start = namespace_from_vllm_config(config)
+    assert namespace_after_reset(start, config, shared_kv=True) is start  # nothing changed
+    flip_weights(folder / "model.safetensors")
+    with caplog.at_level(logging.WARNING):
+        host = namespace_after_reset(start, config, shared_kv=False)
+        shared = namespace_after_reset(start, config, shared_kv=True)
+    assert host.is_complete and host.model_weights not in (None, start.model_weights)
+    assert namespace_gate(host, start.digest) is not None  # the old donors never meet it
+    assert not shared.is_complete and shared.unknown_fields == ("model_weights",)
+    assert "namespace_changed" in caplog.text and "namespace_changed_restart_needed" in caplog.text

@@ -62,7 +62,7 @@ from semkv_vllm.engine_setup import (
 )
 from semkv_vllm.engine_support import engine_support, kv_groups
 from semkv_vllm.metadata import SemkvMetadata, SemkvWorkerMetadata
-from semkv_vllm.namespace import namespace_from_vllm_config
+from semkv_vllm.namespace import namespace_after_reset, namespace_from_vllm_config
 from semkv_vllm.rope import RopeShift
 from semkv_vllm.scheduler import SchedulerSide
 from semkv_vllm.sleep_mode import SleepModeUnsupported
@@ -423,6 +423,9 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
     def reset_cache(self) -> bool | None:
         if self._scheduler is not None:
             self._scheduler.reset()
+            # weights reloaded in place (what this reset follows) make another namespace
+            self._scheduler.namespace = namespace_after_reset(
+                self._scheduler.namespace, self._vllm_config, shared_kv=self._shared is not None)
         if self._shared is not None:
             self._shared.reset_cache()  # asks the server to drop what no one holds
         return True

@@ -69,6 +69,27 @@ def check_setup(config: SemkvConfig, vllm_config: Any) -> None:
         raise ConfigError("donor_store=lmcache: LMCache keys carry no LoRA identity; "
                           "use donor_store=host with LoRA adapters")
     lmcache_connector_class()
+    warn_if_reachable_beyond_host(config.lmcache_server_url)
+
+
+def warn_if_reachable_beyond_host(url: str) -> bool:
+    """Warns ``lmcache_server_unauthenticated`` (and returns True) for a server not on
+    loopback: LMCache's client (0.5.6: ZMQ over TCP, or gRPC's insecure channel) has no
+    authentication and no TLS, so whoever reaches the port reads every tenant's KV and can
+    store KV under any key, which semkv then serves as exact (docs/deployment.md)."""
+    import ipaddress
+
+    host = _split_url(url)[0].split("://", 1)[-1].strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost: it may be reached from elsewhere
+        loopback = False
+    if not loopback:
+        log.warning("lmcache_server_unauthenticated", url=url,
+                    why="LMCache's client has no authentication or TLS: whoever reaches the "
+                        "port reads every tenant's KV and can write KV served as exact",
+                    fix="a private network only the engines reach (docs/deployment.md)")
+    return not loopback
 
 
 def _split_url(url: str) -> tuple[str, int]:

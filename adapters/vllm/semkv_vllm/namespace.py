@@ -200,6 +200,31 @@ def namespace_from_vllm_config(vllm_config: Any) -> Namespace:
     )
 
 
+def namespace_after_reset(current: Namespace, vllm_config: Any, *,
+                          shared_kv: bool) -> Namespace:
+    """The engine's namespace after a cache reset (``reset_prefix_cache(reset_connector=True)``),
+    read again: weights reloaded in place (an RL step's update, ``reload_weights``) give it a
+    new digest, so the donors of the old weights (the host store's, Redis's) never meet it.
+
+    NOTE: ``shared_kv`` (``donor_store: lmcache``): LMCache's keys keep the namespace of
+    start-up, so KV stored under them by the old weights would still load; the namespace is
+    left unknown instead (every request prefills normally, counted ``namespace_mismatch``)
+    until the engine restarts, and the log says so.
+    """
+    now = namespace_from_vllm_config(vllm_config)
+    if now.digest == current.digest:
+        return current
+    if shared_kv:
+        log.error("namespace_changed_restart_needed", before=current.digest, after=now.digest,
+                  why="the weights changed in place; LMCache's keys keep the start-up namespace",
+                  effect="no reuse (normal prefill, counted) until the engine restarts")
+        return now.model_copy(update={"model_weights": None})
+    log.warning("namespace_changed", before=current.digest, after=now.digest,
+                why="the weights (or the model's files) changed since the last reset",
+                effect="donors of the old weights are never served")
+    return now
+
+
 def request_lora_identity(lora_request: Any) -> str | None:
     """A LoRA adapter's identity: its name, id and path (None for the base model)."""
     if lora_request is None:
