@@ -5,7 +5,9 @@ k-gram -> first-position index (``semkv.span_map``) was most of the planning tim
 donor's tokens rarely change between requests. Entries are keyed by the donor's exact token
 bytes (plus k), so a stale entry can never be used: a donor whose tokens changed (or an evicted
 donor id reused for other tokens) simply misses. The cache is an LRU bounded by its bytes (each
-entry's key and index arrays), so memory stays capped without any hook into the donor registry.
+entry's key and index arrays, and the token bytes it keeps for recently seen donor objects),
+so memory stays capped without any hook into the donor registry; the engine sizes it from
+``index_memory_bytes`` (``semkv.index_memory``).
 """
 
 from __future__ import annotations
@@ -124,7 +126,8 @@ class AnchorCache:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[int, bytes], tuple[AnchorIndex, int]] = OrderedDict()
         self._recent: OrderedDict[int, tuple[weakref.ref[Tokens], bytes]] = OrderedDict()
-        self._bytes = 0
+        self._bytes = 0  # entries'
+        self._recent_bytes = 0  # the token bytes kept in _recent
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -134,13 +137,28 @@ class AnchorCache:
 
     @property
     def nbytes(self) -> int:
-        return self._bytes
+        return self._bytes + self._recent_bytes
+
+    def resize(self, max_bytes: int) -> None:
+        """A new bound (the engine's share of ``index_memory_bytes``), enforced at once."""
+        with self._lock:
+            self.max_bytes = max_bytes
+            self._shrink()
+
+    def _shrink(self) -> None:
+        """Oldest first, the recent donors' bytes before the entries (called locked)."""
+        while self._recent and self._bytes + self._recent_bytes > self.max_bytes:
+            _, (_, raw) = self._recent.popitem(last=False)
+            self._recent_bytes -= len(raw)
+        while self._entries and self._bytes > self.max_bytes:
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self._bytes -= dropped
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
             self._recent.clear()
-            self._bytes = 0
+            self._bytes = self._recent_bytes = 0
 
     def _stable_bytes(self, tokens: Tokens) -> bytes:
         """``token_key(tokens)``; for a donor object seen recently with the same tokens, the
@@ -156,11 +174,17 @@ class AnchorCache:
                 self._recent.move_to_end(id(tokens))
                 return seen[1]
             try:
-                self._recent[id(tokens)] = (weakref.ref(tokens), raw)
+                ref = weakref.ref(tokens)
             except TypeError:
                 return raw
+            old = self._recent.pop(id(tokens), None)
+            if old is not None:
+                self._recent_bytes -= len(old[1])
+            self._recent[id(tokens)] = (ref, raw)
+            self._recent_bytes += len(raw)
             if len(self._recent) > _RECENT_DONORS:
-                self._recent.popitem(last=False)
+                self._recent_bytes -= len(self._recent.popitem(last=False)[1][1])
+            self._shrink()
         return raw
 
     def get(self, tokens: Tokens, k: int,
@@ -184,9 +208,7 @@ class AnchorCache:
                 self._bytes -= old[1]
             self._entries[key] = (index, size)
             self._bytes += size
-            while self._bytes > self.max_bytes:
-                _, (_, dropped) = self._entries.popitem(last=False)
-                self._bytes -= dropped
+            self._shrink()
         return index
 
 

@@ -117,7 +117,13 @@ class SemkvConfig(BaseSettings):
         "the record stays in the metrics and the server's log."))
     block_aligned_only: bool = True
     lookup_timeout_ms: float = Field(default=50.0, gt=0.0, le=60_000.0)
-    max_donors: int = Field(default=10_000, ge=1)
+    max_donors: int = Field(default=10_000, ge=1, description=(
+        "Donors remembered at most (least recently used dropped first, never a leased one)."))
+    index_memory_bytes: ByteSize = Field(default=ByteSize(256 << 20), ge=4 << 20, description=(
+        "Host memory of the discovery state beside the donor store's KV: donors' token ids "
+        "and block keys, the exact prefix index, the provider's index and caches, the anchor "
+        "cache (a quarter). Past it the least recently used donors are dropped "
+        "(semkv.index_memory)."))
     donor_store_bytes: ByteSize = Field(default=ByteSize(1 << 30), ge=1 << 20)
     async_lookup: bool = False
     async_load: bool = False

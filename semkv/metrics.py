@@ -39,7 +39,10 @@ FAMILIES: dict[str, tuple[str | None, str]] = {
     "materialize_failed": (None, "Loads the workers could not complete (stale slot, copy error)."),
     "invalid_blocks": (None, "Blocks reported invalid to vLLM after a failed or stale load."),
     "donor_registrations": (None, "Donors handed to the provider."),
-    "donor_evictions": (None, "Donors dropped from the provider."),
+    "donor_evictions": ("reason", "Donors dropped, from the registry, the prefix index and "
+                                  "the provider: bound (max_donors or index_memory_bytes, "
+                                  "least recently used first), kv_evicted (a block of theirs "
+                                  "left the donor store)."),
     "fallbacks": ("reason", "Requests that fell back to normal prefill, by reason."),
     "provenance": ("outcome", "Finished requests by the class of reuse that happened."),
     "external_tokens": ("tier", "Tokens reported to the engine as externally computed."),
@@ -88,6 +91,9 @@ FAMILIES: dict[str, tuple[str | None, str]] = {
 GAUGES: dict[str, str] = {
     "donor_store_bytes": "Bytes of donor KV held in the store.",
     "donors": "Donors currently registered.",
+    "index_memory_bytes": "Host memory of the registered donors' discovery state (their "
+                          "tokens, keys and provider index; semkv.index_memory), against "
+                          "what index_memory_bytes leaves for donors.",
     "live_leases": "Donor leases currently held.",
 }
 _TOKENS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)

@@ -94,6 +94,13 @@ class PrefixIndex:
             if len(held) == 1:
                 self._holders[key] = next(iter(held))
 
+    def holders(self, key: bytes) -> tuple[str, ...]:
+        """Every donor holding ``key``."""
+        held = self._holders.get(key)
+        if held is None:
+            return ()
+        return (held,) if isinstance(held, str) else tuple(held)
+
     def holder(self, key: bytes) -> str | None:
         """The newest donor holding ``key``."""
         held = self._holders.get(key)

@@ -8,8 +8,11 @@ Protocol (who calls what, when):
   from a background thread. Re-registering a donor id replaces the old entry.
 - ``lookup`` is called for a new request, possibly from a worker thread under a latency
   budget; it returns ranked candidates, best first, at most ``query.max_candidates``.
-- ``evict`` is called when the donor store drops a donor; ``reset`` when the engine resets
-  its prefix cache; ``close`` once at shutdown.
+- ``evict`` is called when the host drops a donor (its KV evicted from the donor store, or
+  past ``index_memory_bytes`` / ``max_donors``); ``reset`` when the engine resets its prefix
+  cache; ``close`` once at shutdown.
+- ``donor_memory_bytes`` and ``cache_memory_bytes`` (optional) tell the host what the
+  provider's index costs, so that one setting bounds the host's discovery memory.
 
 Shared discovery store (opt-in; see ``semkv.discovery_store`` and docs/deployment.md): a
 provider whose index can live outside the engine process, so that several engines discover
@@ -149,6 +152,19 @@ class DonorProvider(abc.ABC):
     def stats(self) -> dict[str, float]:
         """Provider-specific counters (numbers only: never text or token ids)."""
         return {}
+
+    def donor_memory_bytes(self, num_tokens: int) -> int | None:
+        """Host memory one registered donor of ``num_tokens`` tokens costs this provider's
+        index (an upper estimate); the host adds it to its own per-donor cost to hold
+        ``index_memory_bytes``. None: not known (the host assumes ``UNKNOWN_BYTES_PER_TOKEN``
+        per token and says so at start-up). A provider whose index lives elsewhere (a shared
+        store) returns what it keeps in this process."""
+        return None
+
+    def cache_memory_bytes(self) -> int:
+        """Host memory this provider's caches may hold whatever the donors (a vector cache at
+        its bound); taken from ``index_memory_bytes`` before any donor."""
+        return 0
 
     def donor_tokens(self, donor_id: str, namespace: str) -> tuple[int, ...] | None:
         """A discovered donor's token ids, when this provider holds donors the host did not

@@ -53,6 +53,8 @@ INVALID: dict[str, st.SearchStrategy[Any]] = {
     "lookup_timeout_ms": st.one_of(st.floats(-1e6, 0.0), st.floats(60_000.001, 1e9),
                                    st.just("fast")),
     "max_donors": st.one_of(st.integers(-10**6, 0), _NOT_INT),
+    "index_memory_bytes": st.one_of(st.integers(-10**6, (4 << 20) - 1), st.just("lots"),
+                                    st.just("2MiB")),
     "donor_store_bytes": st.one_of(st.integers(-10**6, (1 << 20) - 1), st.just("lots"),
                                    st.just("1 PiBB"), st.just("512KiB")),
     "realize_memory_bytes": st.one_of(st.integers(-10**6, (1 << 20) - 1), st.just("lots"),

@@ -9,7 +9,13 @@ Protocol (driven by ``SchedulerSide.build_connector_meta``, once per step and re
 - ``exact_candidate``: the donor holding the longest stored run of a target's whole blocks
   from its first (``semkv.prefix_index``), whatever the provider proposes; every registered
   donor's block keys are indexed, and dropped with it.
-- Donors beyond ``max_donors`` are retired oldest first, unless a lease holds them.
+- Bounds: donors are retired least recently used first (never a leased one) while more than
+  ``max_donors`` are held or their memory is over what ``index_memory_bytes`` leaves for
+  donors (``semkv.index_memory``: tokens, keys, the prefix index, the provider's index).
+- ``drop_evicted``: a donor whose stored prefix the store's evictions cut below the smallest
+  span any tier takes is dropped at once, from the registry, the prefix index and the
+  provider: found again it could only be planned and then missed, which costs a target more
+  than a plain miss.
 
 NOTE: in ``discovery_only`` (and with a shared store, which saves for itself) nothing is saved:
 donors are registered by their tokens only, so the stats can say what would have been reused.
@@ -28,6 +34,7 @@ from typing import Any
 
 from semkv.admission import DonorView, as_tokens
 from semkv.config import SemkvConfig
+from semkv.index_memory import UNKNOWN_BYTES_PER_TOKEN, IndexBudget, registry_bytes
 from semkv.leases import LeaseTable
 from semkv.lookup import GuardedProvider
 from semkv.metrics import CounterBag
@@ -45,6 +52,7 @@ class Donor:
     namespace: str
     token_ids: array[int]  # compact: donors are many and long
     keys: list[bytes]
+    nbytes: int  # its share of index_memory_bytes (semkv.index_memory)
 
 
 class DonorRegistry:
@@ -63,6 +71,11 @@ class DonorRegistry:
         self.by_tail: dict[bytes, str] = {}  # last block's key -> donor (same prompt: one donor)
         self.prefixes = PrefixIndex()  # every donor's block keys: the exact tier's own lookup
         self._ids = itertools.count(1)
+        self.budget = IndexBudget.split(
+            int(config.index_memory_bytes),
+            provider.provider.cache_memory_bytes() if provider is not None else 0)
+        self.nbytes = 0  # the held donors' memory
+        self._doomed: set[str] = set()  # evicted while leased: dropped once released
 
     def __len__(self) -> int:
         return len(self.donors)
@@ -168,7 +181,9 @@ class DonorRegistry:
             return
         donor_id = f"d{next(self._ids)}"
         tokens = as_tokens(st.request.prompt_token_ids[: len(st.keys) * self.bs])
-        self.donors[donor_id] = Donor(donor_id, st.namespace.digest, tokens, st.keys)
+        cost = self.donor_bytes(len(tokens), len(st.keys))
+        self.donors[donor_id] = Donor(donor_id, st.namespace.digest, tokens, st.keys, cost)
+        self.nbytes += cost
         self.by_tail[tail] = donor_id
         self.prefixes.add(donor_id, st.keys)
         self.leases.publish(donor_id)
@@ -177,23 +192,55 @@ class DonorRegistry:
         self.stats.inc("donor_registrations")
         self._trim()
 
+    def donor_bytes(self, num_tokens: int, num_keys: int) -> int:
+        """One donor's share of ``index_memory_bytes``: the host's part and the provider's."""
+        said = (self.provider.provider.donor_memory_bytes(num_tokens)
+                if self.provider is not None else 0)
+        return registry_bytes(num_tokens, num_keys) + (
+            said if said is not None else UNKNOWN_BYTES_PER_TOKEN * num_tokens)
+
+    def _over(self) -> bool:
+        return len(self.donors) > self.config.max_donors or self.nbytes > self.budget.donors
+
     def _trim(self) -> None:
         for donor_id in list(self.donors):
-            if len(self.donors) <= self.config.max_donors:
+            if not self._over():
                 break
             if self.leases.try_retire(donor_id):
-                self._drop(donor_id)
+                self._drop(donor_id, "bound")
 
-    def _drop(self, donor_id: str) -> None:
+    def drop_evicted(self, keys: Sequence[bytes]) -> None:
+        """Drop every donor that ``keys`` leaving the store leaves with a stored prefix shorter
+        than any tier takes (a donor still holding a long enough prefix keeps serving it); a
+        leased one once its lease is released (asked again with each call)."""
+        doomed = self._doomed
+        smallest = self.smallest_span
+        for key in keys:
+            for donor_id in self.prefixes.holders(key):
+                donor = self.donors.get(donor_id)
+                if donor is not None and (
+                        self.index.stored_prefix(donor.keys) * self.bs < smallest):
+                    doomed.add(donor_id)
+        for donor_id in list(doomed):
+            if donor_id not in self.donors:
+                doomed.discard(donor_id)
+            elif self.leases.try_retire(donor_id):
+                doomed.discard(donor_id)
+                self._drop(donor_id, "kv_evicted")
+
+    def _drop(self, donor_id: str, reason: str) -> None:
         donor = self.donors.pop(donor_id)
+        self.nbytes -= donor.nbytes
         if self.by_tail.get(donor.keys[-1]) == donor_id:
             del self.by_tail[donor.keys[-1]]
         self.prefixes.remove(donor_id, donor.keys)
         assert self.provider is not None
         self.provider.evict(donor_id)
-        self.stats.inc("donor_evictions")
+        self.stats.inc("donor_evictions", reason)
 
     def clear(self) -> None:
         self.donors.clear()
         self.by_tail.clear()
         self.prefixes.clear()
+        self._doomed.clear()
+        self.nbytes = 0

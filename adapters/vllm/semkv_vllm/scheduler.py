@@ -43,6 +43,7 @@ from typing import Any
 from vllm.v1.request import RequestStatus
 
 from semkv.admission import Admission, DonorView
+from semkv.anchor_cache import ANCHOR_CACHE
 from semkv.config import SemkvConfig
 from semkv.gates import full_prompt_cap
 from semkv.leases import LeaseTable
@@ -134,6 +135,7 @@ class SchedulerSide:
             config, block_size=block_size, index=self.index, leases=self.leases,
             provider=provider, stats=self.stats,
             materialize=self.materialize, saves_blocks=self.materialize and shared_lookup is None)
+        ANCHOR_CACHE.resize(self.registry.budget.anchor_cache)  # span planning's share
         # Non-prefix reuse: realized spans serve the verified tier (identical tokens elsewhere).
         fetch_chunk = (None if self.fetch_lookups is None
                        else self.fetch_lookups.chunk_tokens)
@@ -495,6 +497,8 @@ class SchedulerSide:
                 if st is not None and st.may_save and not st.registered:
                     self.registry.capture(st, st.request.num_computed_tokens + scheduled, meta,
                                           self.kv_cache_manager, self.null_block)
+        if self.provider is not None:  # donors whose KV the store gave up go with it
+            self.registry.drop_evicted(self.index.evicted_keys)
         self.index.evicted_keys.clear()
         if self.fetch_lookups is not None:
             self.fetch_lookups.settle()  # lookups of aborted requests, once answered
@@ -559,6 +563,7 @@ class SchedulerSide:
             export_guard_counters(self.stats, self.provider.counts(), self._exported)
         self.stats.set("donor_store_bytes", len(self.index) * self.bytes_per_slot)
         self.stats.set("donors", len(self.registry))
+        self.stats.set("index_memory_bytes", self.registry.nbytes)
         self.stats.set("live_leases", self.leases.live_count())
         return self.stats.take()
 

@@ -156,6 +156,13 @@ class ChunksProvider(DonorProvider):
     def donor_tokens(self, donor_id: str, namespace: str) -> tuple[int, ...] | None:
         return None if self._shared is None else self._shared.donors.tokens(donor_id, namespace)
 
+    def donor_memory_bytes(self, num_tokens: int) -> int:
+        """Per chunk a span and a prefix posting (key tuple, posting dict entry) and the
+        donor's two key lists (measured: ~640 bytes a chunk; tests/test_index_memory.py)."""
+        if self._shared is not None:
+            return 0  # the postings live in the shared store
+        return 512 + 768 * (num_tokens // self.chunk)
+
     def close(self) -> None:
         if self._shared is not None:
             self._shared.close()

@@ -36,6 +36,7 @@ from semkv.provider import (
 )
 from semkv.types import Candidate
 from semkv_embedding.config import EmbeddingConfig
+from semkv_embedding.index import HNSW_M
 
 if TYPE_CHECKING:
     from semkv_embedding.index import NamespaceIndex
@@ -174,6 +175,15 @@ class EmbeddingProvider(DonorProvider):
                 if not self._thread.is_alive():
                     return
                 self._state.wait(timeout=0.5)
+
+    def donor_memory_bytes(self, num_tokens: int) -> int:
+        """One vector, its HNSW links (faiss: outside Python's allocator) and its id maps
+        (measured: ~2.4 KB at MiniLM's 384 dimensions, ~3.7 KB with few donors)."""
+        return 4 * self._encoder.dim + 10 * HNSW_M + 2_048
+
+    def cache_memory_bytes(self) -> int:
+        """The vector cache at its bound (a row and its 16-byte key each)."""
+        return self.config.vector_cache_entries * (4 * self._encoder.dim + 112 + 49 + 96)
 
     def close(self) -> None:
         with self._state:
