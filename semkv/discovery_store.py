@@ -21,8 +21,12 @@ Protocol (what a provider that opts in does; ``chunks`` and ``minhash`` do exact
   by a lookup are evicted first, by whichever instance registers past the bound);
 - failure: every call runs under the socket timeouts set from ``store_timeout_ms`` (reads) and
   ``store_write_timeout_ms`` (writes), with no retries; a connection error or a timeout raises
-  ``DiscoveryStoreUnavailable`` and opens a breaker for ``store_retry_s`` during which calls
-  fail at once (no socket touched). The host's ``GuardedProvider`` turns a raised lookup into a
+  ``DiscoveryStoreUnavailable`` and opens the breaker of its kind (reads and writes have one
+  each: slow registrations never refuse lookups, nor the reverse) for ``store_retry_s``,
+  doubled with each failure in a row up to ``MAX_RETRY_S``, during which calls of that kind
+  fail at once (no socket touched); one success closes it. A lookup reads at most
+  ``store_lookup_max_keys`` posting sets (a long prompt's are sampled), so no one prompt's
+  lookup outgrows the read timeout. The host's ``GuardedProvider`` turns a raised lookup into a
   ``provider_error`` fallback (normal prefill) and counts failed registrations; when the
   server returns, the next call after the breaker closes succeeds and registration resumes.
   ``RedisStore.counters`` counts errors, timeouts and calls refused by the open breaker.
@@ -44,6 +48,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+MAX_RETRY_S = 30.0  # a breaker's longest open period (store_retry_s doubled per failure)
 INSTALL_HINT = "pip install redis (built-in providers: pip install 'semkv-chunks[redis]')"
 _URL = re.compile(r"^(redis|rediss)://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+)(:\d{1,5})?(/\d{1,2})?$")
 
@@ -74,6 +79,9 @@ class SharedStoreConfig(BaseModel):
         "2 x this under the host's lookup_timeout_ms."))
     store_write_timeout_ms: float = Field(default=1_000.0, gt=0.0, le=60_000.0, description=(
         "Shared store: socket timeout of registrations and evictions (off the request path)."))
+    store_lookup_max_keys: int = Field(default=128, ge=2, le=100_000, description=(
+        "Shared store: posting sets one lookup reads at most (a long prompt's chunks are "
+        "sampled, its first ones always), so its round trip stays within store_timeout_ms."))
     store_retry_s: float = Field(default=1.0, ge=0.0, le=3_600.0, description=(
         "Shared store: after a failure, calls fail at once for this long, then retry."))
     store_prefix: str = Field(default="semkv", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description=(
@@ -188,7 +196,8 @@ class RedisStore:
         self._write: Any = client(config.store_write_timeout_ms)
         check_at_start(self._write, config.discovery_store, config,
                        anonymous=lambda: client(config.store_write_timeout_ms, False))
-        self._down_until = 0.0
+        self._down_until = {"read": 0.0, "write": 0.0}  # a breaker each
+        self._failures = {"read": 0, "write": 0}  # in a row, per breaker
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
 
@@ -212,9 +221,11 @@ class RedisStore:
 
     # -- calls under the breaker ---------------------------------------------------------------
     def _run(self, write: bool, fill: Callable[[Any], None]) -> list[Any]:
-        if time.monotonic() < self._down_until:
+        kind = "write" if write else "read"
+        if time.monotonic() < self._down_until[kind]:
             self.counters["store_refused"] += 1
-            raise DiscoveryStoreUnavailable("discovery store marked down; retrying later")
+            self.counters[f"store_{kind}_refused"] += 1
+            raise DiscoveryStoreUnavailable(f"discovery store {kind}s marked down; retrying later")
         pipe = (self._write if write else self._read).pipeline(transaction=False)
         fill(pipe)
         try:
@@ -222,10 +233,21 @@ class RedisStore:
         except self._errors as exc:
             timeout = "Timeout" in type(exc).__name__ or isinstance(exc, TimeoutError)
             self.counters["store_timeouts" if timeout else "store_errors"] += 1
-            with self._lock:
-                self._down_until = time.monotonic() + self.config.store_retry_s
+            with self._lock:  # NOTE: reads and writes have breakers of their own
+                self._failures[kind] += 1
+                self._down_until[kind] = time.monotonic() + self.open_for(kind)
             raise DiscoveryStoreUnavailable(type(exc).__name__) from exc
+        if self._failures[kind]:
+            with self._lock:
+                self._failures[kind] = 0
         return result
+
+    def open_for(self, kind: str) -> float:
+        """How long the breaker of ``kind`` stays open after its latest failure:
+        ``store_retry_s``, doubled with each failure in a row (a store that stays slow costs
+        one timeout per period, not one per ``store_retry_s``), at most ``MAX_RETRY_S``."""
+        period = float(self.config.store_retry_s) * 2.0 ** (self._failures[kind] - 1)
+        return min(period, max(MAX_RETRY_S, float(self.config.store_retry_s)))
 
     def read(self, fill: Callable[[Any], None]) -> list[Any]:
         return self._run(False, fill)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -78,3 +80,25 @@ def get_logger(name: str) -> Any:
     if not _configured:
         configure()
     return structlog.get_logger(name)
+
+
+class Throttle:
+    """At most one line per key every ``every_s`` seconds (an outage fails every call: its
+    warnings must not flood the log). ``allow(key)`` is None while a line is held back, else
+    how many were held back since the last one (the line should say so)."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self._last: dict[object, float] = {}
+        self._held: dict[object, int] = {}
+        self._lock = threading.Lock()
+
+    def allow(self, key: object) -> int | None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last < self.every_s:
+                self._held[key] = self._held.get(key, 0) + 1
+                return None
+            self._last[key] = now
+            return self._held.pop(key, 0)

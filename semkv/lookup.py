@@ -7,7 +7,11 @@
 - at most ``max_in_flight`` lookups run at once: a hung provider makes later lookups fail fast
   as timeouts instead of piling up threads.
 - ``register`` / ``evict`` run on a separate single background thread, in order, and their
-  exceptions are counted, never raised.
+  exceptions are counted, never raised; at most ``max_queued_writes`` wait, registrations
+  past it are dropped (counted), evictions and resets never;
+- a lookup first waits for the writes queued before it (it sees every donor registered
+  earlier), except where the provider's index lives in a shared store: those writes are
+  network round trips, and a slow store must not hold lookups back.
 
 - donors the host never registered (``known`` says so: another engine's, found through a
   shared discovery store) get their token ids from ``provider.donor_tokens`` in the same
@@ -27,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
-from semkv.log import get_logger
+from semkv.log import Throttle, get_logger
 from semkv.provider import DonorProvider, DonorRecord, LookupQuery
 from semkv.types import Candidate, FallbackReason
 
@@ -44,6 +48,14 @@ class LookupResult:
 
 
 _Found = tuple[list[Candidate], dict[str, tuple[int, ...]]]
+MAX_QUEUED_WRITES = 256  # registrations past it are dropped; evictions and resets never are
+
+
+def _shared_index(provider: DonorProvider) -> bool:
+    """Does the provider keep its index in a shared store (``semkv.discovery_store``)?"""
+    from semkv.discovery_store import SharedStoreConfig
+
+    return isinstance(provider.config, SharedStoreConfig) and provider.config.shared
 
 
 @dataclass
@@ -54,15 +66,22 @@ class _Pending:
 
 class GuardedProvider:
     def __init__(
-        self, provider: DonorProvider, *, timeout_s: float, max_in_flight: int = 4
+        self, provider: DonorProvider, *, timeout_s: float, max_in_flight: int = 4,
+        max_queued_writes: int = MAX_QUEUED_WRITES,
     ) -> None:
         self.provider = provider
         self.timeout_s = timeout_s
         self._slots = threading.BoundedSemaphore(max_in_flight)
         self._lookups = ThreadPoolExecutor(max_in_flight, thread_name_prefix="semkv-lookup")
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="semkv-index")
+        self._max_queued = max_queued_writes
+        self._queued = 0  # writes submitted and not yet finished (under _lock)
+        # A lookup sees the donors registered before it only where registering is a memory
+        # operation: a shared store's writes are network round trips a lookup must not wait on.
+        self._lookups_wait_writes = not _shared_index(provider)
         self._pending: dict[str, _Pending] = {}
         self._last_write: Future[None] | None = None
+        self._throttle = Throttle()  # one warning per kind of failure every 10 s
         self._lock = threading.Lock()
         # NOTE: written by the lookup and index threads, read by the scheduler's stats export:
         # only through _count and counts(), under their own lock.
@@ -118,7 +137,8 @@ class GuardedProvider:
         if not self._slots.acquire(blocking=False):
             self._count("saturated")
             return False
-        future = self._lookups.submit(self._run, query, self._last_write)
+        after = self._last_write if self._lookups_wait_writes else None
+        future = self._lookups.submit(self._run, query, after)
         with self._lock:
             self._pending[query.request_id] = _Pending(future, time.monotonic())
         return True
@@ -159,7 +179,10 @@ class GuardedProvider:
         error = future.exception()
         if error is not None:
             self._count("errors")
-            log.warning("provider_lookup_failed", error_type=type(error).__name__)
+            kind = type(error).__name__
+            held = self._throttle.allow(("lookup", kind))
+            if held is not None:
+                log.warning("provider_lookup_failed", error_type=kind, held_back=held)
             return LookupResult(reason=FallbackReason.PROVIDER_ERROR, seconds=seconds)
         candidates, remote = future.result()
         return LookupResult(candidates=candidates, seconds=seconds, remote=remote)
@@ -175,11 +198,27 @@ class GuardedProvider:
                 fn(*args)  # type: ignore[operator]
             except Exception as exc:  # noqa: BLE001 - a provider never fails the engine
                 self._count(f"{what}_errors")
-                log.warning("provider_call_failed", call=what, error_type=type(exc).__name__)
+                kind = type(exc).__name__
+                held = self._throttle.allow((what, kind))
+                if held is not None:
+                    log.warning("provider_call_failed", call=what, error_type=kind,
+                                held_back=held)
+            finally:
+                with self._lock:
+                    self._queued -= 1
 
+        with self._lock:
+            self._queued += 1
         self._last_write = self._writes.submit(run)
 
     def register(self, donor: DonorRecord) -> None:
+        """Queued; dropped (counted ``register_dropped``) while ``max_queued_writes`` wait:
+        a slow index loses donors, never the engine's time or memory."""
+        with self._lock:
+            full = self._queued >= self._max_queued
+        if full:
+            self._count("register_dropped")
+            return
         self._safely("register", self.provider.register_donor, donor)
 
     def evict(self, donor_id: str) -> None:

@@ -12,8 +12,9 @@ Each posting set keeps the newest ``max_postings_per_chunk`` donors.
 Hashes are 64-bit BLAKE2b of the chunk's little-endian token ids (chained: of the previous
 hash and the chunk), identical in every process and Python version, unlike ``hash()``.
 
-A lookup is two round trips: every prefix and span posting set of the query's chunks, then the
-records (lengths) of the best-ranked donors, which also renews their TTL and LRU rank and the
+A lookup is two round trips: the prefix and span posting sets of the query's chunks (at most
+``store_lookup_max_keys``: a long prompt's are sampled, see ``sampled``), then the records
+(lengths) of the best-ranked donors, which also renews their TTL and LRU rank and the
 TTL of the posting sets that matched.
 """
 
@@ -80,12 +81,19 @@ class SharedChunks:
                              self._postings(qid, donor.token_ids))
 
     def lookup(self, query: LookupQuery) -> list[Candidate]:
+        """At most ``store_lookup_max_keys`` posting sets in one round trip (``sampled``)."""
         spans, chained = chunk_hashes(query.token_ids, self.chunk)
         if not spans:
             return []
         ns, n = query.namespace, len(spans)
-        suffixes = ["p:" + h for h in chained] + ["s:" + h for h in spans]
-        rows = self.store.postings(ns, suffixes)
+        prefix_at, span_at = sampled(n, self.store.config.store_lookup_max_keys)
+        suffixes = ["p:" + chained[j] for j in prefix_at] + ["s:" + spans[j] for j in span_at]
+        read = self.store.postings(ns, suffixes)
+        # unsampled chunks read as empty: a donor is still found by the ones read, and
+        # admission verifies its real overlap on the tokens
+        rows: list[list[str]] = [[] for _ in range(2 * n)]
+        for j, members in zip([*prefix_at, *(n + j for j in span_at)], read, strict=True):
+            rows[j] = members
         span_postings: list[dict[str, int]] = []
         for members in rows[n:]:
             posting: dict[str, int] = {}
@@ -99,7 +107,7 @@ class SharedChunks:
         # Records of the best-ranked few: gone (expired, evicted) donors drop out here.
         shortlist = sorted(best, key=lambda d: (-best[d].chunks, best[d].target_start, d))
         shortlist = shortlist[: 4 * query.max_candidates]
-        found_in = [suffix for suffix, members in zip(suffixes, rows, strict=True) if members]
+        found_in = [suffix for suffix, members in zip(suffixes, read, strict=True) if members]
         records = self.store.records(ns, shortlist, ["n"], touch=True, refresh=found_in)
         lengths = {qid: int(row[0]) for qid, row in zip(shortlist, records, strict=True)
                    if row is not None and row[0] is not None}
@@ -110,3 +118,15 @@ class SharedChunks:
 
     def close(self) -> None:
         self.donors.close()
+
+
+def sampled(n: int, max_keys: int) -> tuple[list[int], list[int]]:
+    """Which of a prompt's ``n`` chunks a lookup reads: the chained prefix keys of the first
+    half of ``max_keys`` (a prefix run starts at chunk 0 and breaks at its first miss), and
+    span keys spread evenly over the whole prompt for the other half; all when they fit."""
+    if 2 * n <= max_keys:
+        return list(range(n)), list(range(n))
+    half = max_keys // 2
+    prefix = list(range(min(n, half)))
+    spans = sorted({(i * n) // half for i in range(half)})
+    return prefix, spans
