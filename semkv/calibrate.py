@@ -38,8 +38,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from semkv.atomic_file import write_text_atomic
 from semkv.bench.config import FLOOR, STRATEGIES
-from semkv.gate_policy import FORMAT, VERSION, ClassRule, GatePolicy, Measured, PolicyModel
+from semkv.gate_policy import (
+    FORMAT,
+    VERSION,
+    ClassRule,
+    EngineFacts,
+    GatePolicy,
+    Measured,
+    PolicyModel,
+)
 from semkv.model_identity import ModelIdentity
 from semkv.plan_class import CLASSES_VERSION, PlanClass
 from semkv.request_options import RecomputeOverride
@@ -182,7 +191,7 @@ def decide(measurements: list[Measurement], *, min_samples: int = MIN_SAMPLES,
 
 def build_policy(rows: list[dict[str, Any]], identity: ModelIdentity, *, source: str,
                  label: str = "", min_samples: int = MIN_SAMPLES, min_gain: float = MIN_GAIN,
-                 created: str | None = None) -> GatePolicy:
+                 created: str | None = None, engine: EngineFacts | None = None) -> GatePolicy:
     """The gate policy ``rows`` certify for the model of ``identity``."""
     if min_samples < 1:
         raise ValueError("min_samples must be at least 1")
@@ -191,7 +200,7 @@ def build_policy(rows: list[dict[str, Any]], identity: ModelIdentity, *, source:
         model=PolicyModel(digest=identity.digest, architecture=identity.architecture,
                           dtype=identity.dtype, kv_cache_dtype=identity.kv_cache_dtype,
                           label=label),
-        min_samples=min_samples,
+        engine=engine, min_samples=min_samples,
         created=created or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         source=source, classes=decide(measure(rows), min_samples=min_samples,
                                       min_gain=min_gain, refused=refusals(rows)))
@@ -203,8 +212,8 @@ def policy_json(policy: GatePolicy) -> str:
 
 
 def write_policy(policy: GatePolicy, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(policy_json(policy))
+    """Whole or not at all (``semkv.atomic_file``): an engine never reads half a policy."""
+    write_text_atomic(path, policy_json(policy))
 
 
 def summary_table(policy: GatePolicy, measurements: list[Measurement]) -> str:

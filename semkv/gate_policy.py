@@ -5,7 +5,11 @@ A policy is a JSON file written by ``semkv calibrate`` (or shipped, for the bund
 that class are served and with which recompute strategy, with the measurement that decided it
 (samples, mean KL from cold against the fp8-KV floor's in the same run, TTFT against cold).
 It is keyed by the model's identity (``semkv.model_identity``): a policy applies to the model
-whose digest it names and to no other.
+whose digest it names and to no other. It records the engine it was measured on
+(``EngineFacts``: device, block size, tensor parallelism, vLLM version): another device refuses
+it (start-up error for a named file; ``auto`` skips it), any other difference is warned about
+at start-up by name (``gate_policy_engine_differs``), and a policy without them is applied with
+a warning (``gate_policy_engine_unrecorded``).
 
 The connector's ``gate_policy`` key picks it:
 
@@ -60,6 +64,19 @@ class PolicyModel(_Strict):
     label: str = ""  # where it was measured, for people (never part of the match)
 
 
+class EngineFacts(_Strict):
+    """The engine a policy was measured on (None: not recorded). ``device`` differing refuses
+    the policy (its KL and TTFT were measured on other kernels); the others warn by name."""
+
+    device: str | None = None  # vLLM's platform device type: "cpu", "cuda", ...
+    block_size: int | None = None
+    tensor_parallel_size: int | None = None
+    vllm_version: str | None = None
+
+
+REFUSING_FACTS = ("device",)
+
+
 class Measured(_Strict):
     samples: int = Field(ge=0)
     kl_mean: float | None = None
@@ -93,6 +110,7 @@ class GatePolicy(_Strict):
     version: int
     classes_version: int
     model: PolicyModel
+    engine: EngineFacts | None = None  # None: a policy from before engine facts were recorded
     floor: Literal["fp8_e4m3"] = "fp8_e4m3"
     min_samples: int = Field(ge=1)
     created: str = ""
@@ -144,31 +162,52 @@ def check_model(policy: GatePolicy, identity: ModelIdentity, path: Path) -> None
                 f"serves {identity.describe()}; {CALIBRATE_HINT}")
 
 
-def shipped_policy(identity: ModelIdentity) -> tuple[GatePolicy, Path] | None:
-    """The shipped policy measured on this model, if semkv ships one."""
+def engine_differences(policy: GatePolicy, facts: EngineFacts | None,
+                       ) -> tuple[list[str], list[str]]:
+    """(refusing, warning): ``engine.<field>: measured on X, this engine Y`` for each recorded
+    fact that differs from ``facts`` (a fact unknown on either side is not compared)."""
+    refusing: list[str] = []
+    warning: list[str] = []
+    if policy.engine is None or facts is None:
+        return refusing, warning
+    for name in EngineFacts.model_fields:
+        want, have = getattr(policy.engine, name), getattr(facts, name)
+        if want is not None and have is not None and want != have:
+            said = f"engine.{name}: measured with {want!r}, this engine has {have!r}"
+            (refusing if name in REFUSING_FACTS else warning).append(said)
+    return refusing, warning
+
+
+def shipped_policy(identity: ModelIdentity, facts: EngineFacts | None = None,
+                   ) -> tuple[GatePolicy, Path] | None:
+    """The shipped policy measured on this model (and, where recorded, this device)."""
     for path in sorted(SHIPPED.glob("*.json")):
         policy = read_policy(path)  # a broken shipped file is semkv's bug: it raises
         m = policy.model
         if (m.digest, m.dtype, m.kv_cache_dtype) == (identity.digest, identity.dtype,
                                                      identity.kv_cache_dtype):
-            return policy, path
+            if not engine_differences(policy, facts)[0]:
+                return policy, path
     return None
 
 
 def resolve_policy(setting: str, identity: ModelIdentity | None,
-                   ) -> tuple[GatePolicy | None, str]:
+                   facts: EngineFacts | None = None) -> tuple[GatePolicy | None, str]:
     """(policy, where it came from) for the ``gate_policy`` key; (None, why) when none applies.
 
-    Raises ``PolicyError`` for a named file that does not apply to ``identity``.
+    Raises ``PolicyError`` for a named file that does not apply to ``identity`` or was
+    measured on another device (``facts``: this engine's; the caller warns about the others,
+    ``engine_differences``).
     """
     if setting == UNGATED:
         return None, UNGATED
     if setting == AUTO:
         if identity is None:
             return None, "the engine's model has no identity (its folder could not be read)"
-        found = shipped_policy(identity)
+        found = shipped_policy(identity, facts)
         if found is None:
-            return None, f"semkv ships no gate policy for {identity.describe()}"
+            device = f" on a {facts.device} engine" if facts and facts.device else ""
+            return None, f"semkv ships no gate policy for {identity.describe()}{device}"
         return found[0], f"shipped:{found[1].name}"
     path = Path(setting)
     policy = read_policy(path)
@@ -176,4 +215,8 @@ def resolve_policy(setting: str, identity: ModelIdentity | None,
         raise PolicyError(f"gate_policy {setting!r}: the engine's model has no identity (its "
                           "folder could not be read), so no policy can be checked against it")
     check_model(policy, identity, path)
+    refusing = engine_differences(policy, facts)[0]
+    if refusing:
+        raise PolicyError(f"gate_policy {setting!r}: {'; '.join(refusing)}: its quality and "
+                          f"speed were measured on other kernels; {CALIBRATE_HINT}")
     return policy, str(path)

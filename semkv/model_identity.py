@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from semkv.atomic_file import write_text_atomic
 
 SAMPLES = 16
 WINDOW = 64 * 1024
@@ -159,9 +160,7 @@ class _DigestCache:
             entries.pop(key, None)
             entries[key] = digest
             kept = dict(list(entries.items())[-self.KEEP:])
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-            tmp.write_text(json.dumps(kept))
-            os.replace(tmp, path)
+            write_text_atomic(path, json.dumps(kept))
         except OSError:
             pass  # a read-only cache folder: the digest is computed again next start
 

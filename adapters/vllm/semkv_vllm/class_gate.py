@@ -13,8 +13,9 @@ plan:
   caller, ``realize_refused{reason=class}``);
 - ``gate_policy: ungated``: the engine's strategy, every class.
 
-NOTE: a ``gate_policy`` file that does not parse, is stale, or names another model raises
-``PolicyError`` here, at start-up, naming the file and the field.
+NOTE: a ``gate_policy`` file that does not parse, is stale, names another model or was measured
+on another device raises ``PolicyError`` here, at start-up, naming the file and the field; its
+other engine facts (block size, tensor parallelism, vLLM version) are warned about by name.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ from dataclasses import replace
 from typing import Any
 
 from semkv.config import SemkvConfig
-from semkv.gate_policy import UNGATED, GatePolicy, resolve_policy
+from semkv.gate_policy import (
+    UNGATED,
+    EngineFacts,
+    GatePolicy,
+    engine_differences,
+    resolve_policy,
+)
 from semkv.log import MAX_STRING, get_logger
 from semkv.model_identity import ModelIdentity, ModelIdentityError, model_folder, model_identity
 from semkv.plan_class import PlanClass
@@ -48,14 +55,42 @@ def engine_identity(vllm_config: Any) -> ModelIdentity | None:
         return None
 
 
+def engine_facts(vllm_config: Any) -> EngineFacts:
+    """What a gate policy records of the engine it was measured on (unreadable: None)."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    def read(fn: Any) -> Any:
+        try:
+            return fn()
+        except Exception:  # noqa: BLE001 - a fact that cannot be read is not compared
+            return None
+
+    return EngineFacts(
+        device=read(lambda: str(current_platform.device_type)),
+        block_size=read(lambda: int(vllm_config.cache_config.block_size)),
+        tensor_parallel_size=read(lambda: int(vllm_config.parallel_config.tensor_parallel_size)),
+        vllm_version=read(lambda: str(vllm.__version__)))
+
+
 class ClassGate:
     def __init__(self, policy: GatePolicy | None, source: str, *, ungated: bool = False) -> None:
         self.policy, self.source, self.ungated = policy, source, ungated
 
     @classmethod
-    def from_config(cls, config: SemkvConfig, identity: ModelIdentity | None) -> ClassGate:
-        policy, source = resolve_policy(config.gate_policy, identity)
+    def from_config(cls, config: SemkvConfig, identity: ModelIdentity | None,
+                    facts: EngineFacts | None = None) -> ClassGate:
+        policy, source = resolve_policy(config.gate_policy, identity, facts)
         gate = cls(policy, source, ungated=config.gate_policy == UNGATED)
+        if policy is not None and facts is not None:
+            if policy.engine is None:
+                log.warning("gate_policy_engine_unrecorded", source=source[: MAX_STRING - 1],
+                            why="the policy does not say which engine it was measured on",
+                            fix="calibrate again: semkv calibrate records it")
+            for difference in engine_differences(policy, facts)[1]:
+                log.warning("gate_policy_engine_differs", source=source[: MAX_STRING - 1],
+                            fact=difference.split(":")[0], difference=difference[: MAX_STRING - 1],
+                            then="applied; its figures may not hold here")
         if gate.ungated:
             log.warning("gate_policy_ungated", served="every plan class",
                         note="measurement only: semkv calibrate, semkv bench --preset frontier")
@@ -78,7 +113,8 @@ class ClassGate:
     @classmethod
     def for_engine(cls, config: SemkvConfig, vllm_config: Any) -> ClassGate:
         ungated = config.gate_policy == UNGATED
-        return cls.from_config(config, None if ungated else engine_identity(vllm_config))
+        return cls.from_config(config, None if ungated else engine_identity(vllm_config),
+                               None if ungated else engine_facts(vllm_config))
 
     def served(self, cls: PlanClass, prompt_tokens: int) -> bool:
         return self.ungated or bool(self.policy and (r := self.policy.rule(cls))

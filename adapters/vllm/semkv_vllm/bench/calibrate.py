@@ -186,12 +186,13 @@ def calibrate(opts: Options, *, command: str = "semkv calibrate") -> dict[str, A
     from semkv_vllm.bench.engine import configure_process, engine_connector
 
     configure_process(opts.cores or f"0-{max(1, os.cpu_count() or 1) - 1}")
+    from semkv.atomic_file import write_text_atomic
     from semkv.bundled_model import served_as
     from semkv.calibrate import build_policy, measure, summary_table, write_policy
     from semkv.kv_sizing import kv_cache_bytes, kv_dtype_of
     from semkv.model_identity import model_folder
     from semkv_vllm.bench.frontier import most_donors, run_frontier
-    from semkv_vllm.class_gate import engine_identity
+    from semkv_vllm.class_gate import engine_facts, engine_identity
 
     model, dtype = served_as(opts.model, opts.dtype)
     folder = model_folder(model, opts.engine_args.get("revision"))
@@ -219,6 +220,7 @@ def calibrate(opts: Options, *, command: str = "semkv calibrate") -> dict[str, A
         folder, max_model_len=max_len, max_num_seqs=most_donors(wl) + 2, block_size=bs,
         dtype=width), "realize_min_gain": 0.0}
     found: list[Any] = []
+    facts: list[Any] = []  # the engine measured on, recorded in the policy
 
     def identify(llm: Any) -> None:
         identity = engine_identity(llm.llm_engine.vllm_config)
@@ -230,13 +232,14 @@ def calibrate(opts: Options, *, command: str = "semkv calibrate") -> dict[str, A
             raise CalibrateError(f"--model {model!r}: this engine cannot realize spans: {why}; "
                                  "a policy calibrated on it would serve nothing")
         found.append(identity)
+        facts.append(engine_facts(llm.llm_engine.vllm_config))
 
     raw = run_frontier(config, wl, show_progress=opts.show_progress, engine_args=engine_args,
                        overrides=overrides, on_open=identify, lean=True)
     rows = raw["rows"]
     measurements = measure(rows)
     policy = build_policy(rows, found[0], source=source, min_samples=opts.min_samples,
-                          min_gain=opts.min_gain,
+                          min_gain=opts.min_gain, engine=facts[0],
                           label=f"semkv calibrate: {opts.model or 'bundled SmolLM2-135M'}, "
                                 f"vLLM on {platform.machine()}")
     write_policy(policy, opts.out)
@@ -254,7 +257,7 @@ def calibrate(opts: Options, *, command: str = "semkv calibrate") -> dict[str, A
         "request_only_violations": raw["request_only_violations"],
         "measurements": [m.as_dict() for m in measurements],
         "policy": policy.model_dump(mode="json", exclude_none=True), "rows": rows}
-    rows_path(opts.out).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    write_text_atomic(rows_path(opts.out), json.dumps(record, indent=2, default=str) + "\n")
     return {"policy": policy, "measurements": measurements, "table": table, "wall_s": wall,
             "out": opts.out, "rows_out": rows_path(opts.out), "rows": rows,
             "request_only_violations": raw["request_only_violations"]}
