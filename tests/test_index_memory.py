@@ -191,6 +191,23 @@ def test_a_leased_donor_outlives_the_bound_until_released():
     assert registry.nbytes <= registry.budget.donors
 
 
+def test_a_provider_that_does_not_say_is_counted_at_a_stated_rate(caplog):
+    import logging
+
+    class Silent(_Quiet):
+        name = "silent"
+
+        def donor_memory_bytes(self, num_tokens: int) -> None:  # type: ignore[override]
+            return None
+
+    with caplog.at_level(logging.WARNING, logger="semkv"):
+        registry = _registry({}, Silent(None, ProviderContext(block_size=BS)))
+    assert "provider_memory_unknown" in caplog.text and '"assumed_bytes_per_token": 64' \
+        in caplog.text
+    _register(registry, _docs(1, 1024, seed=1)[0])
+    assert registry.nbytes == registry_bytes(1024, 32) + 64 * 1024
+
+
 def test_provider_caches_that_leave_too_little_stop_the_start():
     with pytest.raises(ConfigError, match="index_memory_bytes=4194304.*provider's caches"):
         IndexBudget.split(4 << 20, provider_caches=3 << 20)

@@ -36,6 +36,7 @@ from semkv.admission import DonorView, as_tokens
 from semkv.config import SemkvConfig
 from semkv.index_memory import UNKNOWN_BYTES_PER_TOKEN, IndexBudget, registry_bytes
 from semkv.leases import LeaseTable
+from semkv.log import get_logger
 from semkv.lookup import GuardedProvider
 from semkv.metrics import CounterBag
 from semkv.prefix_index import PrefixIndex, block_keys
@@ -44,6 +45,8 @@ from semkv.types import Candidate, Mode, QualityTier
 from semkv_vllm.metadata import SaveOp, SemkvMetadata
 from semkv_vllm.request_state import RequestState
 from semkv_vllm.store_index import StoreIndex
+
+log = get_logger("semkv.vllm.donors")
 
 
 @dataclass
@@ -76,6 +79,13 @@ class DonorRegistry:
             provider.provider.cache_memory_bytes() if provider is not None else 0)
         self.nbytes = 0  # the held donors' memory
         self._doomed: set[str] = set()  # evicted while leased: dropped once released
+        if provider is not None and provider.provider.donor_memory_bytes(1024) is None:
+            log.warning("provider_memory_unknown", provider=provider.provider.name,
+                        assumed_bytes_per_token=UNKNOWN_BYTES_PER_TOKEN,
+                        fix="the provider can say: DonorProvider.donor_memory_bytes")
+        log.info("index_memory", total=self.budget.total, donors=self.budget.donors,
+                 anchor_cache=self.budget.anchor_cache,
+                 provider_caches=self.budget.provider_caches)
 
     def __len__(self) -> int:
         return len(self.donors)
