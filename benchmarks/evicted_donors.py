@@ -22,12 +22,11 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exact_ttft import SETTLE, build, prompts_of_length, readme_extra_config  # noqa: E402
+from exact_ttft import build, prompts_of_length, readme_extra_config, ttft  # noqa: E402
 
 INSTRUCTIONS = (
     "You are a careful reader. Read the passage below and answer the question that follows "
@@ -35,21 +34,6 @@ INSTRUCTIONS = (
     "Summarise for a busy colleague: read the text that follows, then reply to the question "
     "at its end as briefly as you can.",
 )
-
-
-def run(llm: Any, prompt: str, options: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    from vllm import SamplingParams
-
-    from semkv.request_options import request_params
-
-    params = SamplingParams(temperature=0.0, max_tokens=1,
-                            extra_args={"kv_transfer_params": request_params(**options)})
-    llm.reset_prefix_cache()  # vLLM's own cache: every token is semkv's or computed
-    start = time.perf_counter()
-    out = llm.generate([prompt], params, use_tqdm=False)[0]
-    elapsed = time.perf_counter() - start
-    time.sleep(SETTLE)
-    return elapsed, dict((out.kv_transfer_params or {}).get("semkv", {}))
 
 
 def main() -> None:
@@ -75,10 +59,10 @@ def main() -> None:
     config = {**readme_extra_config(), "request_options": True,
               "donor_store_bytes": int(per_donor * args.store_donors)}
     llm = build(config, args.tokens + 256)
-    run(llm, "warm-up prompt: the engine's first forward is always cold", {})
+    ttft(llm, "warm-up prompt: the engine's first forward is always cold", {}, fresh=True)
     donors = [f"{INSTRUCTIONS[0]}\n\n{d}" for d in docs]
     for prompt in donors:
-        run(llm, prompt, {})
+        ttft(llm, prompt, {}, fresh=True)
     evicted = list(range(args.evicted))
     kept = list(range(args.donors - args.kept, args.donors))
     rows: list[dict[str, Any]] = []
@@ -91,7 +75,7 @@ def main() -> None:
             row: dict[str, Any] = {"doc": i, "rep": rep, "evicted": i in evicted,
                                    "first": arms[0][0]}
             for name, options in arms:
-                row[name], row[f"{name}_summary"] = run(llm, target, options)
+                row[name], row[f"{name}_summary"] = ttft(llm, target, options, fresh=True)
             row["ratio"] = row["semkv"] / row["cold"]
             rows.append(row)
             print(f"doc {i:>2} rep {rep} {'evicted' if i in evicted else 'kept   '} "

@@ -59,11 +59,21 @@ def prompts_of_length(tokenizer: Any, length: int, reps: int, salt: str) -> list
     return out
 
 
-def ttft(llm: Any, prompt: str) -> tuple[float, dict[str, Any]]:
+def ttft(llm: Any, prompt: str, options: dict[str, Any] | None = None, *,
+         fresh: bool = False) -> tuple[float, dict[str, Any]]:
+    """Wall time of a 1-token generation and the request's semkv summary. ``options``: semkv
+    request options (``kv_transfer_params``); ``fresh``: vLLM's own prefix cache emptied
+    first, so every token is semkv's or computed."""
     from vllm import SamplingParams
 
+    from semkv.request_options import request_params
+
+    extra = None if options is None else {"kv_transfer_params": request_params(**options)}
+    params = SamplingParams(temperature=0.0, max_tokens=1, extra_args=extra)
+    if fresh:
+        llm.reset_prefix_cache()
     start = time.perf_counter()
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)[0]
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
     elapsed = time.perf_counter() - start
     time.sleep(SETTLE)  # a background donor save must not run beside the next measurement
     return elapsed, {"prompt_tokens": len(out.prompt_token_ids),

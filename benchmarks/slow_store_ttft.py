@@ -21,33 +21,17 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
-from exact_ttft import SETTLE, build, prompts_of_length, readme_extra_config  # noqa: E402
+from exact_ttft import build, prompts_of_length, readme_extra_config, ttft  # noqa: E402
 
 from tests.tcp_proxy import TcpProxy  # noqa: E402
 
 OPTED_OUT = {"lookup": False, "save": False}
-
-
-def ttft(llm: Any, prompt: str, options: dict[str, Any] | None) -> tuple[float, dict[str, Any]]:
-    from vllm import SamplingParams
-
-    from semkv.request_options import request_params
-
-    extra = None if options is None else {"kv_transfer_params": request_params(**options)}
-    params = SamplingParams(temperature=0.0, max_tokens=1, extra_args=extra)
-    llm.reset_prefix_cache()  # vLLM's own cache: the pair's second run computes too
-    start = time.perf_counter()
-    out = llm.generate([prompt], params, use_tqdm=False)[0]
-    elapsed = time.perf_counter() - start
-    time.sleep(SETTLE)
-    return elapsed, dict((out.kv_transfer_params or {}).get("semkv", {}))
 
 
 def provider_counts(llm: Any) -> dict[str, float]:
@@ -90,7 +74,7 @@ def main() -> None:
         llm = build(config, args.tokens + 256)
         # documents of their own per mode: nothing any request could reuse
         everything = prompts_of_length(tok, args.tokens, args.pairs * len(args.modes), "store")
-        ttft(llm, "warm-up prompt: the engine's first forward is always cold", None)
+        ttft(llm, "warm-up prompt: the engine's first forward is always cold")
         for m, mode in enumerate(args.modes):
             proxy.mode = proxy_mode[mode]
             prompts = everything[m * args.pairs : (m + 1) * args.pairs]  # never seen before
@@ -102,7 +86,7 @@ def main() -> None:
                     arms.reverse()
                 row: dict[str, Any] = {"pair": i, "first": arms[0][0]}
                 for name, options in arms:
-                    row[name], row[f"{name}_summary"] = ttft(llm, prompt, options)
+                    row[name], row[f"{name}_summary"] = ttft(llm, prompt, options, fresh=True)
                 row["ratio"] = row["plain"] / row["cold"]
                 rows.append(row)
             after = provider_counts(llm)

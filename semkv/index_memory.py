@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from semkv.config import ConfigError
 from semkv.prefix_index import KEY_BYTES
 
-UNKNOWN_BYTES_PER_TOKEN = 64  # a provider that does not say (the built-ins need 3-40)
+UNKNOWN_BYTES_PER_TOKEN = 64  # a provider that does not say (built-ins: 3 to ~290)
 ANCHOR_SHARE = 0.25  # of index_memory_bytes, for the anchor cache (semkv.anchor_cache)
 # a block key: its bytes object, a slot in the donor's list, an entry in the prefix index
 _KEY_COST = sys.getsizeof(bytes(KEY_BYTES)) + 8 + 64
