@@ -13,6 +13,11 @@ Protocol (what a provider that opts in does; ``chunks`` and ``minhash`` do exact
 - donor ids are qualified by the registering instance (``instance/donor_id``): the ids of this
   instance's own donors come back unqualified, other instances' donors qualified, and
   ``DonorProvider.donor_tokens`` gives their token ids to the host's verifier;
+- nothing read back is trusted (anyone who can write to the server can write any bytes): a
+  posting member that is not a stored id of the shape ``SharedDonors`` writes, a token record
+  whose type code is not ``I`` or ``q`` (or whose length or values do not fit it), a count that
+  is not a small decimal, is dropped and counted (``malformed_records``), never raised into a
+  lookup, let alone the host: ``checked_id``, ``unpack_tokens``, ``count_field``;
 - every key is ``{store_prefix}:{provider}:{variant}:{namespace}:...``: the namespace is part
   of every key (a lookup only ever reads its own namespace's keys) and ``variant`` fingerprints
   the provider settings that change the keys (two differently configured fleets never mix);
@@ -49,6 +54,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_RETRY_S = 30.0  # a breaker's longest open period (store_retry_s doubled per failure)
+TOKEN_WIDTHS = {"I": 4, "q": 8}  # the type codes pack_tokens writes, and their item sizes
+MAX_COUNT_DIGITS = 9  # a count field (a donor's length, a shingle count) below 10**9
+# A stored donor id: the registering instance's name (``instance_id``'s pattern), then the
+# host's donor id. NOTE: host ids in a shared store have no ``/`` and no ``:`` (the vLLM
+# adapter's are ``d{n}``; its transient ``shared:<request>`` donors are never stored), so an id
+# read back can never alias a host-local one it did not register.
+_HOST_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+_STORED_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}/[A-Za-z0-9_.-]{1,128}")
 INSTALL_HINT = "pip install redis (built-in providers: pip install 'semkv-chunks[redis]')"
 _URL = re.compile(r"^(redis|rediss)://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+)(:\d{1,5})?(/\d{1,2})?$")
 
@@ -58,6 +71,10 @@ Row = list[bytes | None]  # the requested fields of one donor record
 
 class DiscoveryStoreUnavailable(ConnectionError):
     """The shared store did not answer in time (or is known to be down)."""
+
+
+class MalformedRecord(ValueError):
+    """A record or posting read from the shared store is not what semkv writes."""
 
 
 class SharedStoreConfig(BaseModel):
@@ -152,11 +169,31 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
 
 
 def unpack_tokens(raw: bytes) -> tuple[int, ...]:
-    packed = array(chr(raw[0]))
-    packed.frombytes(raw[1:])
+    """The token ids of a record ``pack_tokens`` wrote; raises ``MalformedRecord`` for any
+    other bytes: a type code other than ``I`` / ``q``, a length that is not a whole number of
+    items, no token, a negative id."""
+    code = chr(raw[0]) if raw else ""
+    width = TOKEN_WIDTHS.get(code)
+    if width is None or len(raw) == 1 or (len(raw) - 1) % width:
+        raise MalformedRecord("token record: not a type code I or q followed by whole items")
+    packed = array(code, raw[1:])
     if sys.byteorder == "big":
         packed.byteswap()
+    if code == "q" and min(packed) < 0:
+        raise MalformedRecord("token record: a negative token id")
     return tuple(packed)
+
+
+def count_field(raw: bytes | None) -> int:
+    """A count field semkv wrote (``str(n).encode()``); ``MalformedRecord`` for anything else."""
+    if raw is None or not 0 < len(raw) <= MAX_COUNT_DIGITS or not raw.isdigit():
+        raise MalformedRecord("count field: not a decimal number")
+    return int(raw)
+
+
+def host_id_ok(donor_id: str) -> bool:
+    """Can ``donor_id`` be stored (and read back unambiguously) in a shared store?"""
+    return _HOST_ID.fullmatch(donor_id) is not None
 
 
 class RedisStore:
@@ -206,12 +243,36 @@ class RedisStore:
         return f"{self._base}:{namespace}:{suffix}"
 
     def qualify(self, donor_id: str) -> str:
+        if not host_id_ok(donor_id):  # NOTE: read back, it would be dropped as malformed
+            raise ValueError("a donor id in a shared store is 1-128 of A-Z a-z 0-9 _ . -")
         return f"{self.instance}/{donor_id}"
 
     def local(self, qid: str) -> str:
         """The host's id of a stored donor: unqualified when this instance registered it."""
         own = self.instance + "/"
         return qid[len(own):] if qid.startswith(own) else qid
+
+    def checked_id(self, member: str) -> str | None:
+        """``member`` when it is a stored id of the shape ``qualify`` writes, else None
+        (counted ``malformed_records``): a posting member read back is never trusted."""
+        if _STORED_ID.fullmatch(member) is not None:
+            return member
+        self.malformed()
+        return None
+
+    def malformed(self, count: int = 1) -> None:
+        """Count records or members read back and dropped as malformed."""
+        self._count("malformed_records", by=count)
+
+    def _count(self, *kinds: str, by: int = 1) -> None:
+        with self._lock:
+            for kind in kinds:
+                self.counters[kind] += by
+
+    def counts(self) -> dict[str, int]:
+        """A copy of ``counters`` (safe while lookup and index threads count)."""
+        with self._lock:
+            return dict(self.counters)
 
     def stored(self, donor_id: str) -> str:
         """The stored id of a host id: qualified unless it names another instance's donor.
@@ -223,8 +284,7 @@ class RedisStore:
     def _run(self, write: bool, fill: Callable[[Any], None]) -> list[Any]:
         kind = "write" if write else "read"
         if time.monotonic() < self._down_until[kind]:
-            self.counters["store_refused"] += 1
-            self.counters[f"store_{kind}_refused"] += 1
+            self._count("store_refused", f"store_{kind}_refused")
             raise DiscoveryStoreUnavailable(f"discovery store {kind}s marked down; retrying later")
         pipe = (self._write if write else self._read).pipeline(transaction=False)
         fill(pipe)
@@ -232,7 +292,7 @@ class RedisStore:
             result: list[Any] = pipe.execute()
         except self._errors as exc:
             timeout = "Timeout" in type(exc).__name__ or isinstance(exc, TimeoutError)
-            self.counters["store_timeouts" if timeout else "store_errors"] += 1
+            self._count("store_timeouts" if timeout else "store_errors")
             with self._lock:  # NOTE: reads and writes have breakers of their own
                 self._failures[kind] += 1
                 self._down_until[kind] = time.monotonic() + self.open_for(kind)
@@ -283,8 +343,11 @@ class RedisStore:
         if over <= 0:
             return []
         popped = self.write(lambda p: p.zpopmin(lru, over))[0]
-        self.counters["store_lru_evictions"] += len(popped)
-        return [m.decode() if isinstance(m, bytes) else str(m) for m, _ in popped]
+        self._count("store_lru_evictions", by=len(popped))
+        members = [m.decode() for m, _ in popped if isinstance(m, bytes) and m.isascii()]
+        if len(members) < len(popped):
+            self.malformed(len(popped) - len(members))
+        return [qid for qid in members if self.checked_id(qid) is not None]
 
     def records(self, namespace: str, qids: Sequence[str], fields: Sequence[str], *,
                 touch: bool = False, refresh: Sequence[str] = ()) -> list[Row | None]:
@@ -319,13 +382,18 @@ class RedisStore:
         self.write(fill)
 
     def postings(self, namespace: str, suffixes: Sequence[str]) -> list[list[str]]:
-        """Members of each posting set, newest first (one round trip)."""
+        """Members of each posting set, newest first (one round trip); members that are not
+        ASCII are dropped (counted): what a member holds is the provider's to check."""
         def fill(p: Any) -> None:
             for suffix in suffixes:
                 p.zrevrange(self.key(namespace, suffix), 0, -1)
 
         rows = self.read(fill) if suffixes else []
-        return [[m.decode() for m in row] for row in rows]
+        out = [[m.decode() for m in row if isinstance(m, bytes) and m.isascii()] for row in rows]
+        dropped = sum(len(row) for row in rows) - sum(len(row) for row in out)
+        if dropped:
+            self.malformed(dropped)
+        return out
 
     def close(self) -> None:
         for client in (self._read, self._write):
@@ -371,7 +439,12 @@ class SharedDonors:
     def _drop(self, namespace: str, qids: list[str]) -> None:
         rows = self.store.records(namespace, qids, self.key_fields)
         for qid, row in zip(qids, rows, strict=True):
-            self.store.remove(namespace, qid, [] if row is None else self.postings_of(qid, row))
+            try:
+                postings = [] if row is None else self.postings_of(qid, row)
+            except MalformedRecord:  # the record goes; postings it cannot name expire
+                self.store.malformed()
+                postings = []
+            self.store.remove(namespace, qid, postings)
 
     def evict(self, donor_id: str) -> None:
         with self._lock:
@@ -387,11 +460,13 @@ class SharedDonors:
                 self._drop(namespace, [self.store.qualify(donor_id)])
 
     def tokens(self, donor_id: str, namespace: str) -> tuple[int, ...] | None:
+        """A stored donor's token ids; None when it is gone; ``MalformedRecord`` when its
+        record is not what semkv writes (``GuardedProvider`` drops the candidate, counted)."""
         row = self.store.records(namespace, [self.store.stored(donor_id)], ["t"])[0]
         return None if row is None or row[0] is None else unpack_tokens(row[0])
 
     def stats(self) -> dict[str, float]:
-        out = {k: float(v) for k, v in dict(self.store.counters).items()}
+        out = {k: float(v) for k, v in self.store.counts().items()}
         out["own_donors"] = float(len(self._own))
         out["shared_store"] = 1.0
         return out

@@ -15,7 +15,10 @@
 
 - donors the host never registered (``known`` says so: another engine's, found through a
   shared discovery store) get their token ids from ``provider.donor_tokens`` in the same
-  lookup thread and budget (``LookupResult.remote``), so the host can verify them.
+  lookup thread and budget (``LookupResult.remote``), so the host can verify them. Those ids
+  were read from a store anyone with access can write: a donor whose ids are not all ints in
+  ``[0, token_limit)`` (the model's vocabulary) is dropped with its candidate, counted
+  ``malformed_records`` together with what the provider's store dropped (its ``stats()``).
 
 NOTE: candidates that fail validation (bad spans, NaN similarity, wrong namespace) are dropped
 and counted as provider errors; the caller only ever sees well-formed candidates.
@@ -23,6 +26,7 @@ and counted as provider errors; the caller only ever sees well-formed candidates
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from collections import Counter
@@ -31,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
+from semkv.discovery_store import MalformedRecord
 from semkv.log import Throttle, get_logger
 from semkv.provider import DonorProvider, DonorRecord, LookupQuery
 from semkv.types import Candidate, FallbackReason
@@ -49,6 +54,8 @@ class LookupResult:
 
 _Found = tuple[list[Candidate], dict[str, tuple[int, ...]]]
 MAX_QUEUED_WRITES = 256  # registrations past it are dropped; evictions and resets never are
+TOKEN_LIMIT = 2**32  # token ids at or above it are malformed whatever the vocabulary
+MALFORMED = "malformed_records"  # counter: remote donors and store records dropped
 
 
 def _shared_index(provider: DonorProvider) -> bool:
@@ -67,7 +74,7 @@ class _Pending:
 class GuardedProvider:
     def __init__(
         self, provider: DonorProvider, *, timeout_s: float, max_in_flight: int = 4,
-        max_queued_writes: int = MAX_QUEUED_WRITES,
+        max_queued_writes: int = MAX_QUEUED_WRITES, token_limit: int = TOKEN_LIMIT,
     ) -> None:
         self.provider = provider
         self.timeout_s = timeout_s
@@ -78,7 +85,10 @@ class GuardedProvider:
         self._queued = 0  # writes submitted and not yet finished (under _lock)
         # A lookup sees the donors registered before it only where registering is a memory
         # operation: a shared store's writes are network round trips a lookup must not wait on.
-        self._lookups_wait_writes = not _shared_index(provider)
+        self._shared = _shared_index(provider)
+        self._lookups_wait_writes = not self._shared
+        self.token_limit = min(token_limit, TOKEN_LIMIT)  # the vocabulary: remote ids below it
+        self._store_malformed = 0  # the provider's stats()[MALFORMED], read after each lookup
         self._pending: dict[str, _Pending] = {}
         self._last_write: Future[None] | None = None
         self._throttle = Throttle()  # one warning per kind of failure every 10 s
@@ -97,7 +107,10 @@ class GuardedProvider:
     def counts(self) -> dict[str, int]:
         """A consistent copy of the error counters (safe while lookups run)."""
         with self._counts_lock:
-            return dict(self.counters)
+            out = dict(self.counters)
+            if self._store_malformed:
+                out[MALFORMED] = out.get(MALFORMED, 0) + self._store_malformed
+            return out
 
     # -- lookups ---------------------------------------------------------------------------
     def _run(self, query: LookupQuery, after: Future[None] | None) -> _Found:
@@ -105,15 +118,52 @@ class GuardedProvider:
             if after is not None:  # see every donor registered before this lookup was asked
                 after.result(timeout=self.timeout_s)
             found = self._validated(query, self.provider.lookup(query))
-            remote = {}
+            remote: dict[str, tuple[int, ...]] = {}
+            kept: list[Candidate] = []
             for c in found:
                 if not self.known(c.donor_id):
-                    tokens = self.provider.donor_tokens(c.donor_id, c.namespace)
+                    tokens = self._remote_tokens(c)
+                    if tokens is None:
+                        continue  # malformed: dropped with its candidate (counted)
                     if tokens:
-                        remote[c.donor_id] = tuple(int(t) for t in tokens)
-            return found, remote
+                        remote[c.donor_id] = tokens
+                kept.append(c)
+            if self._shared:
+                self._read_store_malformed()
+            return kept, remote
         finally:
             self._slots.release()
+
+    def _remote_tokens(self, c: Candidate) -> tuple[int, ...] | None:
+        """Another engine's donor's token ids, checked: () when it has none (gone), None
+        (counted ``malformed_records``) when its record is malformed or its ids are not all
+        ints the model could have read."""
+        try:
+            tokens = self.provider.donor_tokens(c.donor_id, c.namespace)
+        except MalformedRecord:
+            tokens = None
+        else:
+            if not tokens:
+                return ()
+            try:
+                ids = tuple(operator.index(t) for t in tokens)
+            except TypeError:  # not integers
+                tokens = None
+            else:
+                if all(0 <= t < self.token_limit for t in ids):
+                    return ids
+        self._count(MALFORMED)
+        return None
+
+    def _read_store_malformed(self) -> None:
+        """What the provider's shared store dropped as malformed (lookup thread only: a
+        provider's ``stats()`` may wait on its own lock, the scheduler never does)."""
+        try:
+            value = int(self.provider.stats().get(MALFORMED, 0))
+        except Exception:  # noqa: BLE001 - stats are telemetry
+            return
+        with self._counts_lock:
+            self._store_malformed = max(self._store_malformed, value)
 
     def _validated(self, query: LookupQuery, raw: object) -> list[Candidate]:
         if not isinstance(raw, list):

@@ -26,7 +26,9 @@ FAMILIES: dict[str, tuple[str | None, str]] = {
     "lookup_rejected": ("reason", "Decisions that rejected every candidate, by reason."),
     "lookup_errors": ("kind", "Provider calls that raised, timed out or answered malformed; "
                               "register_dropped: registrations dropped while the provider's "
-                              "write queue was full (a slow shared store)."),
+                              "write queue was full (a slow shared store); "
+                              "malformed_records: shared-store records semkv did not write, "
+                              "dropped."),
     "request_options_refused": ("option", "Request options refused and dropped: an override "
                                           "request_overrides does not name (recompute, "
                                           "kv_floor, text), or a recompute override below the "

@@ -27,7 +27,12 @@ each other's donors, does three things:
 - when the store is unreachable or slow it raises (``DiscoveryStoreUnavailable``) within the
   store timeouts instead of waiting: the host's ``GuardedProvider`` turns that into a
   ``provider_error`` fallback (normal prefill) and counts failed registrations, and the
-  provider's ``stats()`` count store errors and timeouts.
+  provider's ``stats()`` count store errors and timeouts;
+- it trusts nothing it reads back (anyone with access to the store writes any bytes): members
+  and records that are not what it writes are dropped and counted in ``stats()`` as
+  ``malformed_records`` (the host exports them as ``lookup_errors{kind="malformed_records"}``),
+  and ``donor_tokens`` raises ``MalformedRecord`` for such a record (the host drops the
+  candidate); the host also drops a donor whose token ids fall outside the model's vocabulary.
 ``semkv_chunks`` and ``semkv_minhash`` are the reference implementations; the conformance kit
 (``semkv.testing``) runs the same contract against a provider built with a shared-store
 ``provider_config`` (``semkv_provider_config``).
@@ -168,7 +173,8 @@ class DonorProvider(abc.ABC):
 
     def donor_tokens(self, donor_id: str, namespace: str) -> tuple[int, ...] | None:
         """A discovered donor's token ids, when this provider holds donors the host did not
-        register (a shared store); None otherwise (the host knows its own donors' tokens)."""
+        register (a shared store); None otherwise (the host knows its own donors' tokens).
+        Raises ``semkv.discovery_store.MalformedRecord`` for a stored record it did not write."""
         return None
 
     def text_of(self, token_ids: Sequence[int], text: str | None) -> str:

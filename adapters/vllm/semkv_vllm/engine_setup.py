@@ -128,7 +128,9 @@ def build_provider(config: SemkvConfig, vllm_config: VllmConfig,
     provider = cls.from_config(config.provider_config, context)
     log.info("lookup_budget", provider=config.provider, lookup_timeout_ms=budget_ms,
              source="config" if budget_ms == config.lookup_timeout_ms else "provider")
-    return GuardedProvider(provider, timeout_s=budget_ms / 1e3)
+    # another engine's donors' token ids are read from a shared store: the model's ids only
+    return GuardedProvider(provider, timeout_s=budget_ms / 1e3,
+                           token_limit=mc.get_vocab_size())
 
 
 def request_only_possible(vllm_config: VllmConfig) -> bool:

@@ -49,8 +49,10 @@ def best_runs(prefix_hits: Iterable[Iterable[str]], span_postings: Iterable[Mapp
 
 def candidates(best: Mapping[str, Run], lengths: Mapping[str, int], namespace: str,
                chunk: int, total: int, k: int) -> list[Candidate]:
-    """Ranked candidates of the donors in ``lengths`` (others: gone, dropped)."""
-    ranked = sorted(((d, r) for d, r in best.items() if d in lengths),
+    """Ranked candidates of the donors in ``lengths`` (others: gone, dropped), runs that start
+    inside their donor only (a shared store's postings are not trusted)."""
+    ranked = sorted(((d, r) for d, r in best.items()
+                     if d in lengths and r.donor_start < lengths[d]),
                     key=lambda kv: (-kv[1].chunks, kv[1].target_start, kv[0]))
     return [
         Candidate(

@@ -26,16 +26,20 @@ from collections.abc import Sequence
 from hashlib import blake2b
 
 from semkv.discovery_store import (
+    MalformedRecord,
     Posting,
     RedisStore,
     SharedDonors,
     SharedStoreConfig,
+    count_field,
     pack_tokens,
     unpack_tokens,
 )
 from semkv.provider import DonorRecord, LookupQuery
 from semkv.types import Candidate
 from semkv_chunks.runs import best_runs, candidates
+
+MAX_CHUNK_DIGITS = 7  # a span posting's chunk index: below 10**7 chunks
 
 
 def chunk_hashes(tokens: Sequence[int], chunk: int) -> tuple[list[str], list[str]]:
@@ -94,14 +98,19 @@ class SharedChunks:
         rows: list[list[str]] = [[] for _ in range(2 * n)]
         for j, members in zip([*prefix_at, *(n + j for j in span_at)], read, strict=True):
             rows[j] = members
+        checked = self.store.checked_id
+        prefix_hits = [[qid for qid in members if checked(qid)] for members in rows[:n]]
         span_postings: list[dict[str, int]] = []
         for members in rows[n:]:
             posting: dict[str, int] = {}
             for member in members:
-                pos, _, qid = member.partition("|")
-                posting.setdefault(qid, int(pos))
+                pos, sep, qid = member.partition("|")
+                if not (sep and pos.isdigit() and len(pos) <= MAX_CHUNK_DIGITS):
+                    self.store.malformed()
+                elif checked(qid) is not None:  # (a bad id is counted there)
+                    posting.setdefault(qid, int(pos))
             span_postings.append(posting)
-        best = best_runs(rows[:n], span_postings, self.chunk)
+        best = best_runs(prefix_hits, span_postings, self.chunk)
         if not best:
             return []
         # Records of the best-ranked few: gone (expired, evicted) donors drop out here.
@@ -109,8 +118,14 @@ class SharedChunks:
         shortlist = shortlist[: 4 * query.max_candidates]
         found_in = [suffix for suffix, members in zip(suffixes, read, strict=True) if members]
         records = self.store.records(ns, shortlist, ["n"], touch=True, refresh=found_in)
-        lengths = {qid: int(row[0]) for qid, row in zip(shortlist, records, strict=True)
-                   if row is not None and row[0] is not None}
+        lengths: dict[str, int] = {}
+        for qid, row in zip(shortlist, records, strict=True):
+            if row is None:
+                continue  # expired or evicted
+            try:
+                lengths[qid] = count_field(row[0])
+            except MalformedRecord:
+                self.store.malformed()
         found = candidates(best, lengths, ns, self.chunk, len(query.token_ids),
                            query.max_candidates)
         return [c.model_copy(update={"donor_id": self.store.local(c.donor_id)}) for c in found]

@@ -19,10 +19,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from semkv.discovery_store import (
+    MalformedRecord,
     Posting,
     RedisStore,
     SharedDonors,
     SharedStoreConfig,
+    count_field,
     pack_tokens,
 )
 from semkv.provider import DonorRecord, LookupQuery
@@ -52,7 +54,10 @@ class SharedMinHash:
         return [(f"b{i}:{band.hex()}", qid)
                 for i, band in enumerate(band_keys(signature, self.params))]
 
-    def _signature(self, raw: bytes) -> NDArray[np.uint32]:
+    def _signature(self, raw: bytes | None) -> NDArray[np.uint32]:
+        """A stored signature; ``MalformedRecord`` unless it has ``num_perm`` values."""
+        if raw is None or len(raw) != 4 * self.sketcher.num_perm:
+            raise MalformedRecord("signature: not num_perm 4-byte values")
         sig: NDArray[np.uint32] = self._np.frombuffer(raw, dtype="<u4").astype(self._np.uint32)
         return sig
 
@@ -76,19 +81,24 @@ class SharedMinHash:
         np, ns = self._np, query.namespace
         suffixes = [s for s, _ in self._postings("", signature)]
         buckets = self.store.postings(ns, suffixes)
-        qids = sorted({qid for bucket in buckets for qid in bucket})
+        checked = self.store.checked_id
+        qids = sorted({qid for bucket in buckets for qid in bucket if checked(qid)})
         if not qids:
             return []
         found_in = [suffix for suffix, bucket in zip(suffixes, buckets, strict=True) if bucket]
         rows = self.store.records(ns, qids, ["s", "h"], touch=True, refresh=found_in)
-        live: list[tuple[str, bytes, bytes]] = []
+        live: list[tuple[str, Any, int]] = []  # (id, signature, shingles)
         for qid, row in zip(qids, rows, strict=True):
-            if row is not None and row[0] is not None and row[1] is not None:
-                live.append((qid, row[0], row[1]))
+            if row is None:
+                continue  # expired or evicted
+            try:
+                live.append((qid, self._signature(row[0]), count_field(row[1])))
+            except MalformedRecord:
+                self.store.malformed()
         if not live:
             return []
         keys = [self.store.local(qid) for qid, _, _ in live]
-        sigs = np.stack([self._signature(sig) for _, sig, _ in live])
+        sigs = np.stack([sig for _, sig, _ in live])
         sizes = np.array([float(size) for _, _, size in live], dtype=np.float64)
         return rank(np, keys, sigs, sizes, signature, len(hashes), ns, query.max_candidates)
 
