@@ -3,8 +3,13 @@
 The scheduler plans every request against up to 16 candidate donors, and building each donor's
 k-gram -> first-position index (``semkv.span_map``) was most of the planning time, though a
 donor's tokens rarely change between requests. Entries are keyed by the donor's exact token
-bytes (plus k), so a stale entry can never be used: a donor whose tokens changed (or an evicted
-donor id reused for other tokens) simply misses. The cache is an LRU bounded by its bytes (each
+bytes (plus k and the donor's namespace), so a stale entry can never be used: a donor whose
+tokens changed (or an evicted donor id reused for other tokens) simply misses.
+
+NOTE: the namespace is part of the key although an index holds no secret: a hit is faster
+than a build, so an index built for one tenant's donor (``cache_salt``) must not speed up
+planning against another tenant's donor of the same tokens (a timing signal of what the
+first tenant sent). The cache is an LRU bounded by its bytes (each
 entry's key and index arrays, and the token bytes it keeps for recently seen donor objects),
 so memory stays capped without any hook into the donor registry; the engine sizes it from
 ``index_memory_bytes`` (``semkv.index_memory``).
@@ -117,14 +122,16 @@ def token_key(tokens: Tokens) -> bytes:
 
 
 class AnchorCache:
-    """LRU of anchor indexes keyed by (k, exact donor token bytes), bounded by bytes.
+    """LRU of anchor indexes keyed by (namespace, k, exact donor token bytes), bounded by
+    bytes.
 
     The returned index is shared: callers must only read it.
     """
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple[int, bytes], tuple[AnchorIndex, int]] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, int, bytes], tuple[AnchorIndex, int]] = (
+            OrderedDict())
         self._recent: OrderedDict[int, tuple[weakref.ref[Tokens], bytes]] = OrderedDict()
         self._bytes = 0  # entries'
         self._recent_bytes = 0  # the token bytes kept in _recent
@@ -187,10 +194,11 @@ class AnchorCache:
             self._shrink()
         return raw
 
-    def get(self, tokens: Tokens, k: int,
-            build: Callable[[Tokens, int], AnchorIndex]) -> AnchorIndex:
-        """The index of ``tokens`` for ``k``, built with ``build`` on a miss."""
-        key = (k, self._stable_bytes(tokens))
+    def get(self, tokens: Tokens, k: int, build: Callable[[Tokens, int], AnchorIndex],
+            namespace: str = "") -> AnchorIndex:
+        """The index of ``tokens`` for ``k``, built with ``build`` on a miss; ``namespace``:
+        the donor's (an index built for one namespace never serves another)."""
+        key = (namespace, k, self._stable_bytes(tokens))
         with self._lock:
             found = self._entries.get(key)
             if found is not None:
@@ -198,7 +206,7 @@ class AnchorCache:
                 self.hits += 1
                 return found[0]
         index = build(tokens, k)
-        size = len(key[1]) + index.nbytes
+        size = len(key[2]) + index.nbytes
         with self._lock:
             self.misses += 1
             if size > self.max_bytes:

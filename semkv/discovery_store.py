@@ -30,11 +30,14 @@ Protocol (what a provider that opts in does; ``chunks`` and ``minhash`` do exact
   each: slow registrations never refuse lookups, nor the reverse) for ``store_retry_s``,
   doubled with each failure in a row up to ``MAX_RETRY_S``, during which calls of that kind
   fail at once (no socket touched); one success closes it. A lookup reads at most
-  ``store_lookup_max_keys`` posting sets (a long prompt's are sampled), so no one prompt's
-  lookup outgrows the read timeout. The host's ``GuardedProvider`` turns a raised lookup into a
-  ``provider_error`` fallback (normal prefill) and counts failed registrations; when the
-  server returns, the next call after the breaker closes succeeds and registration resumes.
-  ``RedisStore.counters`` counts errors, timeouts and calls refused by the open breaker.
+  ``store_lookup_max_keys`` posting sets (a long prompt's are sampled), their newest
+  ``store_lookup_max_members`` members in all, and the records of at most
+  ``store_lookup_max_records`` donors (``most_found``), so no one prompt's lookup, nor sets
+  filled by a fleet, outgrows the read timeout. The host's ``GuardedProvider`` turns a
+  raised lookup into a ``provider_error`` fallback (normal prefill) and counts failed
+  registrations; when the server returns, the next call after the breaker closes succeeds
+  and registration resumes. ``RedisStore.counters`` counts errors, timeouts, calls refused by
+  the open breaker and records dropped as malformed.
 
 ``redis`` (redis-py) is imported when a store is built, never at module import.
 """
@@ -99,6 +102,13 @@ class SharedStoreConfig(BaseModel):
     store_lookup_max_keys: int = Field(default=128, ge=2, le=100_000, description=(
         "Shared store: posting sets one lookup reads at most (a long prompt's chunks are "
         "sampled, its first ones always), so its round trip stays within store_timeout_ms."))
+    store_lookup_max_members: int = Field(default=1024, ge=1, le=1_000_000, description=(
+        "Shared store: posting-set members one lookup reads at most, split evenly over the "
+        "sets it reads (the newest of each), so sets filled by a fleet (a system prompt every "
+        "chat shares) keep its first round trip within store_timeout_ms."))
+    store_lookup_max_records: int = Field(default=128, ge=1, le=100_000, description=(
+        "Shared store: donor records one lookup reads at most (its second round trip): the "
+        "donors found in the most of its posting sets first, then the newest."))
     store_retry_s: float = Field(default=1.0, ge=0.0, le=3_600.0, description=(
         "Shared store: after a failure, calls fail at once for this long, then retry."))
     store_prefix: str = Field(default="semkv", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description=(
@@ -274,6 +284,19 @@ class RedisStore:
         with self._lock:
             return dict(self.counters)
 
+    def most_found(self, sets: Sequence[Sequence[str]]) -> list[str]:
+        """The ids to read records of, at most ``store_lookup_max_records``: those in the most
+        of ``sets`` (each posting set a donor shares with the query is evidence of overlap),
+        then the newest (sets read newest first, taken in turn)."""
+        seen: dict[str, list[int]] = {}  # id -> [sets it is in, -(first turn it came up)]
+        for turn in range(max((len(members) for members in sets), default=0)):
+            for members in sets:
+                if turn < len(members):
+                    entry = seen.setdefault(members[turn], [0, -turn])
+                    entry[0] += 1
+        ranked = sorted(seen, key=lambda qid: (-seen[qid][0], -seen[qid][1], qid))
+        return ranked[: self.config.store_lookup_max_records]
+
     def stored(self, donor_id: str) -> str:
         """The stored id of a host id: qualified unless it names another instance's donor.
 
@@ -382,11 +405,14 @@ class RedisStore:
         self.write(fill)
 
     def postings(self, namespace: str, suffixes: Sequence[str]) -> list[list[str]]:
-        """Members of each posting set, newest first (one round trip); members that are not
-        ASCII are dropped (counted): what a member holds is the provider's to check."""
+        """The newest members of each posting set, newest first, ``store_lookup_max_members``
+        in all at most (one round trip); members that are not ASCII are dropped (counted):
+        what a member holds is the provider's to check."""
+        last = max(1, self.config.store_lookup_max_members // max(1, len(suffixes))) - 1
+
         def fill(p: Any) -> None:
             for suffix in suffixes:
-                p.zrevrange(self.key(namespace, suffix), 0, -1)
+                p.zrevrange(self.key(namespace, suffix), 0, last)
 
         rows = self.read(fill) if suffixes else []
         out = [[m.decode() for m in row if isinstance(m, bytes) and m.isascii()] for row in rows]

@@ -105,10 +105,11 @@ def gram_keys(tokens: Sequence[int] | Ints, start: int, end: int, k: int) -> Int
     return h.view(np.int64)
 
 
-def anchor_index(donor: Sequence[int] | Ints, k: int) -> AnchorIndex:
-    """First donor position of every k-gram key (cached by the donor's exact tokens: a donor's
-    index is built once, not once per request; see ``semkv.anchor_cache``)."""
-    return ANCHOR_CACHE.get(donor, k, build_anchor_index)
+def anchor_index(donor: Sequence[int] | Ints, k: int, namespace: str = "") -> AnchorIndex:
+    """First donor position of every k-gram key (cached by the donor's namespace and exact
+    tokens: a donor's index is built once, not once per request; see
+    ``semkv.anchor_cache``)."""
+    return ANCHOR_CACHE.get(donor, k, build_anchor_index, namespace)
 
 
 def build_anchor_index(donor: Sequence[int] | Ints, k: int) -> AnchorIndex:

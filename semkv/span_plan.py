@@ -253,7 +253,8 @@ def _brings_new_anchor(held: Bools, covered: Bools) -> bool:
 
 
 def _choose(target: Sequence[int], donors: Mapping[str, Sequence[int]], chunk_tokens: int,
-            min_run_tokens: int, anchor_tokens: int, reuse_mismatched: bool) -> _Choice:
+            min_run_tokens: int, anchor_tokens: int, reuse_mismatched: bool,
+            namespace: str = "") -> _Choice:
     if chunk_tokens < 1:
         raise ValueError("chunk_tokens must be positive")
     ids = token_array(target)  # e.g. vLLM's ConstantList
@@ -264,7 +265,7 @@ def _choose(target: Sequence[int], donors: Mapping[str, Sequence[int]], chunk_to
     maps: list[tuple[Ints, Bools]] = []
     covered = np.zeros(len(grams.sampled), np.bool_)  # sampled keys a mapped donor holds
     for d, tokens in donors.items():
-        anchors = anchor_index(tokens, k) if len(tokens) else AnchorIndex.empty()
+        anchors = anchor_index(tokens, k, namespace) if len(tokens) else AnchorIndex.empty()
         if not reuse_mismatched:
             held = grams.sampled_held(anchors)
             if not _brings_new_anchor(held, covered):
@@ -316,11 +317,13 @@ def plan_span(
     min_copied_tokens: int = 1,
     max_span_tokens: int | None = None,
     anchor_tokens: int = DEFAULT_ANCHOR_TOKENS,
+    namespace: str = "",
 ) -> SpanPlan | None:
     """The segmented plan of the target's external span (identical tokens only), or None.
 
     ``donors`` maps donor id -> the donor tokens whose KV can be served. ``max_span_tokens``
     caps the span's length after ``local_tokens`` (the full-prompt cap of admission).
+    ``namespace``: the donors' (keys their cached anchor indexes: ``semkv.anchor_cache``).
     """
     if block_size <= 0 or local_tokens < 0 or local_tokens % block_size:
         raise ValueError("local_tokens must be a non-negative multiple of a positive block_size")
@@ -328,7 +331,7 @@ def plan_span(
     if end <= local_tokens or not donors:
         return None
     runs = _choose(target_ids, donors, chunk_tokens, min_run_tokens, anchor_tokens,
-                   reuse_mismatched=False).runs
+                   reuse_mismatched=False, namespace=namespace).runs
     segments: list[SpanSegment] = []
     at = local_tokens
     for run in runs:

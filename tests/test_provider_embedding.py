@@ -172,8 +172,8 @@ def test_vectors_do_not_depend_on_batching() -> None:
     provider = _provider(vector_cache_entries=0)  # every call runs the model
     try:
         texts = [EIFFEL, BREAD, PYTHON, "short one", EIFFEL_PARAPHRASE]
-        together = provider._encoder.encode(texts)
-        alone = [provider._encoder.encode([t])[0] for t in texts]
+        together = provider._encoder.encode(texts, [NS] * len(texts))
+        alone = [provider._encoder.encode([t], [NS])[0] for t in texts]
         assert together is not None
         assert all((together[i] == alone[i]).all() for i in range(len(texts)))
     finally:
@@ -221,12 +221,12 @@ def test_a_window_embedded_before_is_not_embedded_again(
         _register(p, "bread", BREAD)
         p.flush()
         calls = _counting_model_calls(p, monkeypatch)
-        first = p._encoder.encode([EIFFEL_PARAPHRASE])
+        first = p._encoder.encode([EIFFEL_PARAPHRASE], [NS])
         assert calls == [1]
-        again = p._encoder.encode([EIFFEL_PARAPHRASE])
+        again = p._encoder.encode([EIFFEL_PARAPHRASE], [NS])
         assert calls == [1] and p.stats()["cached_vectors"] == 2.0  # BREAD's and this one
         assert first is not None and again is not None and (first == again).all()
-        recomputed = fresh._encoder.encode([EIFFEL_PARAPHRASE])
+        recomputed = fresh._encoder.encode([EIFFEL_PARAPHRASE], [NS])
         assert calls == [1, 1]  # fresh shares the model and keeps nothing
         assert recomputed is not None and (recomputed == first).all()
         assert "bread" in _lookup(p, BREAD) and calls == [1, 1]  # the donor's own window
@@ -235,22 +235,49 @@ def test_a_window_embedded_before_is_not_embedded_again(
         fresh.close()
 
 
+def test_a_window_cached_in_one_namespace_costs_a_full_embedding_in_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two tenants (two ``cache_salt``s: two namespaces) on one engine: a text one tenant's
+    donor or lookup embedded is embedded again for the other, so the other's lookup takes the
+    model's time whether or not the text was sent before (no timing channel across salts)."""
+    p = _provider()
+    try:
+        for ns in (NS, "ns-b"):
+            _register(p, "bread-" + ns, BREAD, ns=ns)  # each namespace has an index to search
+        p.flush()
+        calls = _counting_model_calls(p, monkeypatch)
+        _register(p, "eiffel", EIFFEL)  # tenant A's donor: its windows cached under A
+        p.flush()
+        assert calls == [1]
+        assert "eiffel" in _lookup(p, EIFFEL) and calls == [1]  # A: from the cache
+        assert _lookup(p, EIFFEL, ns="ns-b").keys() == {"bread-ns-b"}
+        assert calls == [1, 1]  # B: the model ran again
+        _lookup(p, EIFFEL, ns="ns-b")
+        assert calls == [1, 1]  # B's own window is B's to reuse
+    finally:
+        p.close()
+
+
 def test_the_vector_cache_is_a_bounded_lru() -> None:
     import numpy as np
     from semkv_embedding.encoder import VectorCache
 
     cache = VectorCache(2)
     rows = {name: np.full(3, i, dtype=np.float32) for i, name in enumerate("abc")}
-    cache.put(cache.key("a"), rows["a"])
-    cache.put(cache.key("b"), rows["b"])
-    assert cache.get(cache.key("a")) is rows["a"]  # a is now the most recent
-    cache.put(cache.key("c"), rows["c"])
-    assert len(cache) == 2 and cache.get(cache.key("b")) is None  # b was the oldest
-    assert cache.get(cache.key("a")) is rows["a"] and cache.get(cache.key("c")) is rows["c"]
+    cache.put(cache.key(NS, "a"), rows["a"])
+    cache.put(cache.key(NS, "b"), rows["b"])
+    assert cache.get(cache.key(NS, "a")) is rows["a"]  # a is now the most recent
+    cache.put(cache.key(NS, "c"), rows["c"])
+    assert len(cache) == 2 and cache.get(cache.key(NS, "b")) is None  # b was the oldest
+    assert cache.get(cache.key(NS, "a")) is rows["a"]
+    assert cache.get(cache.key(NS, "c")) is rows["c"]
+    assert cache.get(cache.key("ns-b", "a")) is None  # another namespace's: not shared
+    assert cache.key("a", "bc") != cache.key("ab", "c")
     off = VectorCache(0)
-    off.put(off.key("a"), rows["a"])
+    off.put(off.key(NS, "a"), rows["a"])
     assert len(off) == 0
-    assert len(cache.key("x" * 10_000)) == 16  # a digest is kept, never the window's text
+    assert len(cache.key(NS, "x" * 10_000)) == 16  # a digest is kept, never the window's text
 
 
 def test_the_lookup_budget_is_the_host_s_unless_set_and_a_slow_window_is_named(

@@ -242,3 +242,32 @@ def test_minilm_mode_without_text_falls_back_to_tokens() -> None:
     provider.register_donor(_donor("d", doc))  # no text, no detokenizer: no embedding
     found = provider.lookup(_query(corpus.document(16) + doc[16:]))
     assert [c.donor_id for c in found] == ["d"]
+
+
+@needs_minilm
+def test_a_text_embedded_in_one_namespace_is_embedded_again_in_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The MiniLM embedder and its cache are shared by the process: a text one tenant
+    (namespace, i.e. ``cache_salt``) embedded must cost another tenant a full embedding, or the
+    other's time to first token would tell that it was sent."""
+    provider = _provider("minilm")
+    inner = provider._embedder.inner
+    calls: list[str] = []
+    real = inner.embed
+
+    def counted(text: str) -> Any:
+        calls.append(text)
+        return real(text)
+
+    monkeypatch.setattr(inner, "embed", counted)
+    text = "A tenant's private document about quarterly figures, unique to this test. " * 4
+    doc = SyntheticCorpus(67).document(64)
+    provider.register_donor(_donor("d", doc, text=text))
+    assert len(calls) == 1
+    provider.lookup(_query(doc, text=text))
+    assert len(calls) == 1  # the same tenant: cached
+    provider.lookup(_query(doc, ns="ns-b", text=text))
+    assert len(calls) == 2  # another tenant: embedded again
+    provider.lookup(_query(doc, ns="ns-b", text=text))
+    assert len(calls) == 2

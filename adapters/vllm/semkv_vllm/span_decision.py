@@ -89,7 +89,8 @@ class SpanDecision:
                 donors[c.donor_id] = v.token_ids[:whole]
         least = side.config.verified_min_reuse_tokens
         plan = (plan_span(st.request.all_token_ids, donors, local_tokens=local,
-                          block_size=side.bs, min_copied_tokens=least) if donors else None)
+                          block_size=side.bs, min_copied_tokens=least, namespace=ns)
+                if donors else None)
         if plan is not None:
             cls = plan_class(plan)
             served = side.class_gate.served(cls, len(st.request.all_token_ids))

@@ -115,7 +115,8 @@ class SharedChunks:
             return []
         # Records of the best-ranked few: gone (expired, evicted) donors drop out here.
         shortlist = sorted(best, key=lambda d: (-best[d].chunks, best[d].target_start, d))
-        shortlist = shortlist[: 4 * query.max_candidates]
+        shortlist = shortlist[: min(4 * query.max_candidates,
+                                    self.store.config.store_lookup_max_records)]
         found_in = [suffix for suffix, members in zip(suffixes, read, strict=True) if members]
         records = self.store.records(ns, shortlist, ["n"], touch=True, refresh=found_in)
         lengths: dict[str, int] = {}

@@ -49,7 +49,8 @@ class EmbeddingConfig(BaseModel):
         ge=0,
         description=(
             "Window vectors kept (LRU, 1.5 KiB each with MiniLM) so that a text whose windows "
-            "were embedded before, a donor's or an earlier lookup's, is not embedded again."
+            "were embedded before in the same namespace, a donor's or an earlier lookup's, is "
+            "not embedded again (keyed by namespace: no tenant's timing tells another's texts)."
         ),
     )
     faiss_threads: int | None = Field(

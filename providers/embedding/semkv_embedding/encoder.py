@@ -23,6 +23,7 @@ import hashlib
 import os
 import threading
 from collections import OrderedDict, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,7 +78,13 @@ def split_windows(text: str, max_text_chars: int, chunk_chars: int) -> list[str]
 
 
 class VectorCache:
-    """Window vectors by a digest of the window (LRU, at most ``entries``; 0 keeps none)."""
+    """Window vectors by a digest of the namespace and the window (LRU, at most ``entries``;
+    0 keeps none).
+
+    NOTE: keyed by namespace too: a cached window answers in a millisecond where the model
+    takes tens, and a lookup's decision waits for it, so a cache shared across namespaces would
+    tell one tenant (``cache_salt``) by its time to first token whether another sent a text.
+    """
 
     def __init__(self, entries: int) -> None:
         self.entries = entries
@@ -85,8 +92,12 @@ class VectorCache:
         self._lock = threading.Lock()  # lookup threads and the indexing thread share it
 
     @staticmethod
-    def key(window: str) -> bytes:
-        return hashlib.blake2b(window.encode("utf-8"), digest_size=16).digest()
+    def key(namespace: str, window: str) -> bytes:
+        digest = hashlib.blake2b(digest_size=16)
+        ns = namespace.encode("utf-8")
+        digest.update(len(ns).to_bytes(4, "little") + ns)  # length first: no ambiguity
+        digest.update(window.encode("utf-8"))
+        return digest.digest()
 
     def get(self, key: bytes) -> NDArray[np.float32] | None:
         with self._lock:
@@ -139,16 +150,20 @@ class Encoder:
         return [int(n) for n in mask.sum(dim=1).tolist()]
 
     def encode(
-        self, texts: list[str], timeout_s: float | None = None
+        self, texts: list[str], namespaces: Sequence[str], timeout_s: float | None = None
     ) -> NDArray[np.float32] | None:
         """Unit vectors (float32, one row per text; zeros for blank text), or None when the
-        model stayed busy past ``timeout_s``."""
+        model stayed busy past ``timeout_s``. ``namespaces[i]``: the namespace of ``texts[i]``
+        (the cache's key: a window cached for one namespace is embedded again for another)."""
         import numpy as np
 
+        if len(namespaces) != len(texts):
+            raise ValueError("one namespace per text")
         per_text = [split_windows(t, self.max_text_chars, self.chunk_chars) for t in texts]
         flat = [w for ws in per_text for w in ws]
         window_vecs = np.zeros((len(flat), self.dim), dtype=np.float32)
-        keys = [self.cache.key(w) for w in flat]
+        keys = [self.cache.key(ns, w)
+                for ns, ws in zip(namespaces, per_text, strict=True) for w in ws]
         todo: list[int] = []
         for i, key in enumerate(keys):
             kept = self.cache.get(key)

@@ -224,15 +224,16 @@ class EmbeddingProvider(DonorProvider):
                 self._state.notify_all()
 
     def _embed_batch(self, batch: list[_Pending]) -> Any:
-        texts = []
+        texts, namespaces = [], []
         for item in batch:
+            namespaces.append(item.namespace)
             try:
                 texts.append(self.text_of(item.token_ids, item.text))
             except Exception as exc:  # noqa: BLE001 - one bad donor must not stop the queue
                 self._count_error("detokenize", exc)
                 texts.append("")
         try:
-            return self._encoder.encode(texts)
+            return self._encoder.encode(texts, namespaces)
         except Exception as exc:  # noqa: BLE001
             self._count_error("embed", exc)
             return None
@@ -293,7 +294,7 @@ class EmbeddingProvider(DonorProvider):
             if self._counts["missing_text"] == 1:
                 _log.warning("embedding_lookup_without_text", provider=self.name)
             return []
-        vectors = self._encoder.encode([text], timeout_s=deadline - time.monotonic())
+        vectors = self._encoder.encode([text], [ns], timeout_s=deadline - time.monotonic())
         if vectors is None or not vectors[0].any():
             if vectors is None:
                 self._count("lookups_over_budget")

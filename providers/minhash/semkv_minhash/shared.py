@@ -9,9 +9,12 @@ engines never share buckets):
 - ``d:{donor id}``: the record: ``t`` the token ids, ``s`` the signature (uint32,
   little-endian), ``h`` the number of unique shingles (for the coverage signal).
 
-A lookup is two round trips: the query's ``b`` buckets, then the candidates' signatures (which
-also renews their TTL and LRU rank and the matched buckets' TTL); ranking is the in-process
-one (``semkv_minhash.rank``).
+A lookup is two round trips: the query's ``b`` buckets (their newest members,
+``store_lookup_max_members`` in all), then the signatures of at most
+``store_lookup_max_records`` candidates, those in the most of the query's buckets first
+(``RedisStore.most_found``; which also renews their TTL and LRU rank and the matched buckets'
+TTL); ranking is the in-process one (``semkv_minhash.rank``). A fleet whose buckets are full
+(every chat shares a system prompt) costs one lookup the same bounded read.
 """
 
 from __future__ import annotations
@@ -82,7 +85,8 @@ class SharedMinHash:
         suffixes = [s for s, _ in self._postings("", signature)]
         buckets = self.store.postings(ns, suffixes)
         checked = self.store.checked_id
-        qids = sorted({qid for bucket in buckets for qid in bucket if checked(qid)})
+        # a bounded read however full the buckets: the donors in most of them first
+        qids = self.store.most_found([[q for q in bucket if checked(q)] for bucket in buckets])
         if not qids:
             return []
         found_in = [suffix for suffix, bucket in zip(suffixes, buckets, strict=True) if bucket]

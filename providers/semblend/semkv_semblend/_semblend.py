@@ -75,11 +75,16 @@ def shared_embedder(model_path: str | None, device: str) -> Any:
 
 
 class CachingEmbedder:
-    """A SemBlend embedder with a bounded LRU of embeddings keyed by a digest of the text.
+    """A SemBlend embedder with a bounded LRU of embeddings keyed by a digest of the namespace
+    and the text.
 
     Repeated prompts (the same document registered, then looked up; retries; exact repeats)
     are embedded once: MiniLM dominates the provider's cost on CPU. Only digests are kept,
     never the text.
+
+    NOTE: keyed by namespace too (the embedder is shared by every provider of the process): a
+    cached text answers in a millisecond where MiniLM takes tens, so a cache shared across
+    namespaces would tell one tenant by its time to first token whether another sent a text.
     """
 
     def __init__(self, inner: Any, size: int = 4096) -> None:
@@ -92,8 +97,12 @@ class CachingEmbedder:
     def dimension(self) -> int:
         return int(self.inner.dimension)
 
-    def embed(self, text: str) -> Any:
-        key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    def embed(self, text: str, namespace: str) -> Any:
+        digest = hashlib.blake2b(digest_size=16)
+        ns = namespace.encode("utf-8", "surrogatepass")
+        digest.update(len(ns).to_bytes(4, "little") + ns)  # length first: no ambiguity
+        digest.update(text.encode("utf-8", "surrogatepass"))
+        key = digest.digest()
         with self._lock:
             if key in self._lru:
                 self._lru.move_to_end(key)

@@ -89,15 +89,16 @@ class SemBlendProvider(DonorProvider):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _embed(self, token_ids: tuple[int, ...], text: str | None) -> Any:
-        """SemBlend embedding of the (truncated) text, or None: then Jaccard search is used."""
+    def _embed(self, token_ids: tuple[int, ...], text: str | None, namespace: str) -> Any:
+        """SemBlend embedding of the (truncated) text, or None: then Jaccard search is used
+        (cached per namespace: ``CachingEmbedder``)."""
         if self._embedder is None or not token_ids:
             return None
         try:
             full = self.text_of(token_ids, text)
         except ValueError:  # no text and no detokenizer: token-only search still works
             return None
-        return self._embedder.embed(full[: self.config.embed_max_chars])
+        return self._embedder.embed(full[: self.config.embed_max_chars], namespace)
 
     def _forget(self, donor_id: str) -> None:
         key = self._home.pop(donor_id, None)
@@ -115,7 +116,7 @@ class SemBlendProvider(DonorProvider):
     # -- protocol --------------------------------------------------------------------------
 
     def register_donor(self, donor: DonorRecord) -> None:
-        embedding = self._embed(donor.token_ids, donor.text)
+        embedding = self._embed(donor.token_ids, donor.text, donor.namespace)
         key: _Key = (donor.namespace, len(donor.token_ids), hash(donor.token_ids))
         node = self._donor_store.DonorNode(
             request_id=donor.donor_id,
@@ -142,7 +143,7 @@ class SemBlendProvider(DonorProvider):
         if not query.token_ids:
             return []
         tokens = list(query.token_ids)
-        embedding = self._embed(query.token_ids, query.text)
+        embedding = self._embed(query.token_ids, query.text, query.namespace)
         key: _Key = (query.namespace, len(tokens), hash(query.token_ids))
         top_k = max(query.max_candidates, 5)
         with self._lock:
