@@ -32,6 +32,8 @@ class Namespace(BaseModel):
     tokenizer_settings: str | None  # mode, special tokens, chat template digest
     dtype: str | None
     kv_cache_dtype: str | None
+    quantization: str | None  # the serving-time weight quantization (method, config)
+    kv_quantization: str | None  # KV scales computed or loaded, layers kept unquantized
     block_size: int | None
     kv_layout: str | None
     attention_isa: str | None  # CPU attention kernels lay pages out per ISA

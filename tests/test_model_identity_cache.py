@@ -42,9 +42,9 @@ def _reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     seen: list[str] = []
     real = mi._file_fingerprint
 
-    def counting(path: Path, h: object) -> None:
+    def counting(path: Path, h: object, whole: bytes | None = None) -> None:
         seen.append(path.name)
-        real(path, h)  # type: ignore[arg-type]
+        real(path, h, whole)  # type: ignore[arg-type]
 
     monkeypatch.setattr(mi, "_file_fingerprint", counting)
     return seen
@@ -108,3 +108,22 @@ def test_a_single_file_checkpoint_is_its_own_identity(folder: Path) -> None:
     assert mi.model_folder(str(gguf), None) == gguf
     digest = mi.weights_identity(gguf)
     assert len(digest) == 32 and digest != mi.weights_identity(folder)
+
+
+def test_every_byte_of_the_weights_is_in_the_namespace_s_identity(folder: Path) -> None:
+    """A fine-tune of a few tensors with the same shapes: an edit between the gate policy's
+    sampled windows. Its KV differs, so the namespace's identity (every byte) must move; the
+    gate policy's (sampled) keeps its value, as the module says."""
+    weights = folder / "model.safetensors"
+    size = weights.stat().st_size
+    between = mi.WINDOW + 100  # after the first window, before the second
+    assert between + 1 < (size - mi.WINDOW) // (mi.SAMPLES - 1)
+    before = mi.weights_identity(folder)
+    policy_key = mi.model_identity(folder, dtype="float32", kv_cache_dtype="auto").digest
+    with weights.open("r+b") as f:
+        f.seek(between)
+        byte = f.read(1)
+        f.seek(between)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert mi.weights_identity(folder) != before
+    assert mi.model_identity(folder, dtype="float32", kv_cache_dtype="auto").digest == policy_key

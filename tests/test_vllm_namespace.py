@@ -51,7 +51,8 @@ def test_every_field_is_known_for_the_bundled_model(base_ns):
     assert set(Namespace.model_fields) == {
         "model_id", "model_revision", "model_weights", "tokenizer_id", "tokenizer_revision",
         "tokenizer_settings",
-        "dtype", "kv_cache_dtype", "block_size", "kv_layout", "attention_isa",
+        "dtype", "kv_cache_dtype", "quantization", "kv_quantization", "block_size",
+        "kv_layout", "attention_isa",
         "attention_backend", "tensor_parallel_size", "pipeline_parallel_size", "rank_layout",
         "lora_identity", "positional", "cache_salt",
     }
@@ -185,6 +186,48 @@ def test_engine_setting_changes_separate(base_ns, change):
         pytest.skip(f"vLLM refuses {change} here: {type(exc).__name__}")
     assert other.digest != base_ns.digest
     assert namespace_gate(other, base_ns.digest) is not None
+
+
+@pytest.mark.parametrize(
+    ("base", "change", "field"),
+    [
+        # online quantization of the same checkpoint (before: one namespace, KV served as exact
+        # from an unquantized engine to a quantized one)
+        ({"dtype": "bfloat16"}, {"quantization": "fp8_per_tensor"}, "quantization"),
+        # fp8 KV everywhere but in layer 0
+        ({"kv_cache_dtype": "fp8"}, {"kv_cache_dtype_skip_layers": ["0"]}, "kv_quantization"),
+    ],
+    ids=["quantization", "kv_cache_dtype_skip_layers"],
+)
+def test_settings_that_change_the_kv_of_the_same_checkpoint_separate(base, change, field):
+    from semkv_vllm.namespace import namespace_from_vllm_config
+
+    plain = namespace_from_vllm_config(_config(**base))
+    try:
+        other = namespace_from_vllm_config(_config(**base, **change))
+    except Exception as exc:  # noqa: BLE001 - a vLLM without the setting (the CUDA build's)
+        pytest.skip(f"this vLLM refuses {change}: {type(exc).__name__}")
+    differ = {f for f in Namespace.model_fields if getattr(plain, f) != getattr(other, f)}
+    assert differ == {field}, differ  # the same files, the same everything else
+    assert getattr(plain, field) is not None and getattr(other, field) is not None
+    assert other.digest != plain.digest
+
+
+def test_computed_kv_scales_separate_where_the_vllm_has_them():
+    """``calculate_kv_scales`` (vLLM versions before 0.32 and where it returns): scales
+    computed from the first batch write other fp8 KV than the checkpoint's. A stand-in cache
+    config (this vLLM has no such field), named so."""
+    from types import SimpleNamespace
+
+    from semkv_vllm.namespace import _kv_quantization
+
+    def fake_cache_config(**fields):
+        return SimpleNamespace(kv_cache_dtype_skip_layers=[], **fields)
+
+    computed = _kv_quantization(fake_cache_config(calculate_kv_scales=True))
+    loaded = _kv_quantization(fake_cache_config(calculate_kv_scales=False))
+    absent = _kv_quantization(fake_cache_config())
+    assert len({computed, loaded, absent}) == 3
 
 
 def test_lora_and_salt_are_per_request(base_ns):

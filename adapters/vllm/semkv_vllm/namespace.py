@@ -53,6 +53,32 @@ def _positional(model_config: Any) -> str | None:
     return canonical(fields)
 
 
+def _quantization(model_config: Any) -> str | None:
+    """How vLLM quantizes the weights as it serves them: the method (``--quantization``, or
+    the one the checkpoint declares) and the user-facing config; the same checkpoint served
+    online-quantized (``fp8_per_tensor``) writes other KV than served as is."""
+    config = getattr(model_config, "quantization_config", None)
+    if isinstance(config, dict):
+        described = canonical(config)
+    else:
+        described = ABSENT if config is None else repr(config)
+        if " at 0x" in described:
+            return None  # no stable description: unknown
+    return canonical({"method": _optional(model_config.quantization), "config": described})
+
+
+def _kv_quantization(cache_config: Any) -> str:
+    """How a quantized KV cache is scaled beyond its dtype: scales computed from the first
+    batch (``calculate_kv_scales``, in the vLLM versions that have it) or loaded with the
+    weights, and the layers kept unquantized (``kv_cache_dtype_skip_layers``)."""
+    computed = getattr(cache_config, "calculate_kv_scales", None)
+    skipped = getattr(cache_config, "kv_cache_dtype_skip_layers", None)
+    return canonical({
+        "calculate_kv_scales": ABSENT if computed is None else bool(computed),
+        "skip_layers": ABSENT if skipped is None else sorted(str(x) for x in skipped),
+    })
+
+
 def _tokenizer_settings(model_config: Any) -> str:
     settings = {
         "mode": str(model_config.tokenizer_mode),
@@ -178,6 +204,8 @@ def namespace_from_vllm_config(vllm_config: Any) -> Namespace:
         tokenizer_settings=_read(lambda: _tokenizer_settings(mc)),
         dtype=_read(lambda: dtype_name(mc.dtype)),
         kv_cache_dtype=_read(lambda: dtype_name(cc.cache_dtype)),
+        quantization=_read(lambda: _quantization(mc)),
+        kv_quantization=_read(lambda: _kv_quantization(cc)),
         block_size=_read(lambda: int(cc.block_size)),
         kv_layout=None if backend is None else _read(lambda: _kv_layout(vllm_config, backend)),
         attention_isa=_read(lambda: _attention_isa(vllm_config, head_size)),
