@@ -95,8 +95,9 @@ class SharedStoreConfig(BaseModel):
     store_max_donors: int = Field(default=100_000, ge=1, description=(
         "Shared store: donors kept per namespace; past it the least recently used go first."))
     store_timeout_ms: float = Field(default=25.0, gt=0.0, le=60_000.0, description=(
-        "Shared store: socket timeout of a lookup's round trip (a lookup makes two); keep "
-        "2 x this under the host's lookup_timeout_ms."))
+        "Shared store: socket timeout of each of a lookup's round trips (at most three: "
+        "postings, records, other engines' donors' tokens); the host's lookup_timeout_ms "
+        "bounds the whole lookup."))
     store_write_timeout_ms: float = Field(default=1_000.0, gt=0.0, le=60_000.0, description=(
         "Shared store: socket timeout of registrations and evictions (off the request path)."))
     store_lookup_max_keys: int = Field(default=128, ge=2, le=100_000, description=(
@@ -490,6 +491,21 @@ class SharedDonors:
         record is not what semkv writes (``GuardedProvider`` drops the candidate, counted)."""
         row = self.store.records(namespace, [self.store.stored(donor_id)], ["t"])[0]
         return None if row is None or row[0] is None else unpack_tokens(row[0])
+
+    def tokens_many(self, donor_ids: Sequence[str],
+                    namespace: str) -> dict[str, tuple[int, ...] | None]:
+        """``tokens`` of several donors in one round trip (``DonorProvider.donors_tokens``):
+        None for a donor gone, a malformed record's id left out."""
+        if not donor_ids:
+            return {}
+        rows = self.store.records(namespace, [self.store.stored(d) for d in donor_ids], ["t"])
+        out: dict[str, tuple[int, ...] | None] = {}
+        for donor_id, row in zip(donor_ids, rows, strict=True):
+            try:
+                out[donor_id] = None if row is None or row[0] is None else unpack_tokens(row[0])
+            except MalformedRecord:
+                continue
+        return out
 
     def stats(self) -> dict[str, float]:
         out = {k: float(v) for k, v in self.store.counts().items()}

@@ -2,6 +2,7 @@
 
 ``GuardedProvider`` wraps any provider so that a lookup can never fail or stall a request:
 - ``lookup_now`` waits at most the budget; timeout and exceptions become a typed fallback;
+  ``StepBudget`` waits for several, one budget per engine step in all;
 - ``submit`` starts a lookup in the background (async discovery); ``poll`` says whether it is
   done, and turns a lookup older than the budget into a timeout;
 - at most ``max_in_flight`` lookups run at once: a hung provider makes later lookups fail fast
@@ -14,8 +15,9 @@
   network round trips, and a slow store must not hold lookups back.
 
 - donors the host never registered (``known`` says so: another engine's, found through a
-  shared discovery store) get their token ids from ``provider.donor_tokens`` in the same
-  lookup thread and budget (``LookupResult.remote``), so the host can verify them. Those ids
+  shared discovery store) get their token ids from ``provider.donors_tokens`` (all of one
+  lookup's in one call: one round trip) in the same lookup thread and budget
+  (``LookupResult.remote``), so the host can verify them. Those ids
   were read from a store anyone with access can write: a donor whose ids are not all ints in
   ``[0, token_limit)`` (the model's vocabulary) is dropped with its candidate, counted
   ``malformed_records`` together with what the provider's store dropped (its ``stats()``).
@@ -35,7 +37,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
-from semkv.discovery_store import MalformedRecord
 from semkv.log import Throttle, get_logger
 from semkv.provider import DonorProvider, DonorRecord, LookupQuery
 from semkv.types import Candidate, FallbackReason
@@ -118,42 +119,41 @@ class GuardedProvider:
             if after is not None:  # see every donor registered before this lookup was asked
                 after.result(timeout=self.timeout_s)
             found = self._validated(query, self.provider.lookup(query))
+            # other engines' donors: their token ids, all in one call (one round trip)
+            unknown = list(dict.fromkeys(c.donor_id for c in found if not self.known(c.donor_id)))
+            got = self.provider.donors_tokens(unknown, query.namespace) if unknown else {}
             remote: dict[str, tuple[int, ...]] = {}
             kept: list[Candidate] = []
             for c in found:
-                if not self.known(c.donor_id):
-                    tokens = self._remote_tokens(c)
-                    if tokens is None:
-                        continue  # malformed: dropped with its candidate (counted)
+                if c.donor_id in got or c.donor_id not in unknown:
+                    tokens = self._checked_tokens(got.get(c.donor_id))
+                    if tokens is None:  # ids the model could not have read
+                        continue
                     if tokens:
                         remote[c.donor_id] = tokens
-                kept.append(c)
+                    kept.append(c)
+                else:  # its record was malformed: dropped with its candidate
+                    self._count(MALFORMED)
             if self._shared:
                 self._read_store_malformed()
             return kept, remote
         finally:
             self._slots.release()
 
-    def _remote_tokens(self, c: Candidate) -> tuple[int, ...] | None:
+    def _checked_tokens(self, tokens: object) -> tuple[int, ...] | None:
         """Another engine's donor's token ids, checked: () when it has none (gone), None
-        (counted ``malformed_records``) when its record is malformed or its ids are not all
-        ints the model could have read."""
+        (counted ``malformed_records``) when they are not all ints the model could have read
+        (``token_limit``)."""
+        if not tokens:
+            return ()
         try:
-            tokens = self.provider.donor_tokens(c.donor_id, c.namespace)
-        except MalformedRecord:
-            tokens = None
-        else:
-            if not tokens:
-                return ()
-            try:
-                ids = tuple(operator.index(t) for t in tokens)
-            except TypeError:  # not integers
-                tokens = None
-            else:
-                if all(0 <= t < self.token_limit for t in ids):
-                    return ids
-        self._count(MALFORMED)
-        return None
+            ids = tuple(operator.index(t) for t in tokens)  # type: ignore[attr-defined]
+        except TypeError:  # not integers
+            ids = None
+        if ids is None or not all(0 <= t < self.token_limit for t in ids):
+            self._count(MALFORMED)
+            return None
+        return ids
 
     def _read_store_malformed(self) -> None:
         """What the provider's shared store dropped as malformed (lookup thread only: a
@@ -208,6 +208,20 @@ class GuardedProvider:
             return LookupResult(reason=FallbackReason.PROVIDER_TIMEOUT, seconds=elapsed)
         self.forget(request_id)
         return self._result(pending.future, elapsed)
+
+    def wait(self, request_id: str, seconds: float) -> LookupResult | None:
+        """A submitted lookup's result, waiting at most ``seconds`` for it; None while it may
+        still finish within its own budget (ask again, or ``poll``)."""
+        with self._lock:
+            pending = self._pending.get(request_id)
+        if pending is not None and seconds > 0:
+            try:
+                pending.future.result(timeout=seconds)
+            except FutureTimeout:
+                pass
+            except Exception:  # noqa: BLE001 - reported by poll
+                pass
+        return self.poll(request_id)
 
     def lookup_now(self, query: LookupQuery) -> LookupResult:
         started = time.monotonic()
@@ -295,6 +309,40 @@ class GuardedProvider:
             self.provider.close()
         except Exception:  # noqa: BLE001
             self._count("close_errors")
+
+
+class StepBudget:
+    """Lookups a host waits for, at most one lookup budget per engine step in all.
+
+    A decision needs its lookup, but a burst of new requests must not hold one step for N
+    budgets (every running request's next token waits on the step). Each step's waits share
+    one budget (``new_step`` starts it): a request that finds it spent is answered "not yet"
+    and starts its lookup next step; one whose lookup outlives what was left keeps it running
+    in the background and takes its result in a later step (``GuardedProvider.wait``), or a
+    timeout once its own budget ran out.
+    NOTE: a lookup refused for lack of slots (a hung provider holds them) is a timeout, never
+    deferred: a request is never held back by a provider that does not answer.
+    """
+
+    def __init__(self) -> None:
+        self.spent = 0.0  # seconds this step waited on lookups
+
+    def new_step(self) -> None:
+        self.spent = 0.0
+
+    def lookup(self, guard: GuardedProvider, query: LookupQuery,
+               started: bool) -> tuple[bool, LookupResult | None]:
+        """(is its lookup started now, its result or None: ask again next step)."""
+        left = guard.timeout_s - self.spent
+        if not started:
+            if left <= 0:
+                return False, None
+            if not guard.submit(query):
+                return False, LookupResult(reason=FallbackReason.PROVIDER_TIMEOUT)
+        began = time.monotonic()
+        result = guard.wait(query.request_id, left)
+        self.spent += time.monotonic() - began
+        return True, result
 
 
 def _revalidated(item: object) -> Candidate | None:

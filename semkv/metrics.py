@@ -36,7 +36,8 @@ FAMILIES: dict[str, tuple[str | None, str]] = {
                                           "(recompute_weaker)."),
     "remote_donors": (None, "Candidates registered by another engine, found through a shared "
                             "discovery store (their tokens came with the lookup)."),
-    "lookup_deferred": (None, "Scheduler steps a request waited for its asynchronous lookup."),
+    "lookup_deferred": (None, "Scheduler steps a request waited for its lookup (asynchronous, "
+                              "or past the step's one lookup budget)."),
     "materialize_requests": ("tier", "Loads planned into engine blocks, by tier."),
     "materialize_success": ("tier", "Requests whose planned load the workers confirmed, by tier."),
     "materialize_recompute": ("reason", "Admitted spans the engine computed after all."),

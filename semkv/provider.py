@@ -177,6 +177,22 @@ class DonorProvider(abc.ABC):
         Raises ``semkv.discovery_store.MalformedRecord`` for a stored record it did not write."""
         return None
 
+    def donors_tokens(self, donor_ids: Sequence[str],
+                      namespace: str) -> dict[str, tuple[int, ...] | None]:
+        """``donor_tokens`` of several donors, what the host asks once per lookup (a shared
+        store answers in one round trip): each id maps to its token ids, or None; an id whose
+        record is malformed is left out (the host drops its candidate, counted). By default,
+        ``donor_tokens`` one by one."""
+        from semkv.discovery_store import MalformedRecord
+
+        out: dict[str, tuple[int, ...] | None] = {}
+        for donor_id in donor_ids:
+            try:
+                out[donor_id] = self.donor_tokens(donor_id, namespace)
+            except MalformedRecord:
+                continue
+        return out
+
     def text_of(self, token_ids: Sequence[int], text: str | None) -> str:
         """The text of a donor or query: as carried, else detokenized through the context."""
         if text is not None:

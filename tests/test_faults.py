@@ -128,6 +128,39 @@ def test_provider_fault_falls_back_counted(kind):
     h.assert_no_leaks()
 
 
+def test_a_burst_of_new_requests_holds_a_step_one_lookup_budget_at_most():
+    """Six new requests in one step, each lookup 0.2 s (under its 0.5 s budget). Before, the
+    step waited for each in turn: 1.2 s, while every running request's next token waited too.
+    Now one step's waits share one budget; the later requests take their lookups' results in
+    the next steps (``lookup_deferred``), each with its whole budget (none times out), and
+    each is served its own KV."""
+    h = harness(dict(EXACT, provider="faulty", lookup_timeout_ms=500,
+                     provider_config={"inner": "chunks", "faults": ["hang"], "rate": 1.0,
+                                      "hang_seconds": 0.2}))
+    steps: list[float] = []
+    step = h.step
+
+    def timed() -> object:
+        began = time.monotonic()
+        try:
+            return step()
+        finally:
+            steps.append(time.monotonic() - began)
+
+    h.step = timed  # type: ignore[method-assign]
+    burst = {f"r{i}": doc(200 + i) for i in range(6)}
+    for rid, tokens in burst.items():
+        h.add(rid, tokens)
+    h.run()
+    assert set(burst) <= h.finished
+    assert max(steps) < 0.5 + 0.25, steps  # one budget (+ a step's own work), not 6 x 0.2 s
+    reasons = {h.outputs[rid]["semkv"]["fallback_reason"] for rid in burst}
+    assert reasons == {"provider_miss"}, reasons  # every lookup answered: none timed out
+    got = counters(h)
+    assert got.get("lookup_deferred", 0) >= 1 and not got.get("lookup_errors:timeouts"), got
+    h.assert_no_leaks()
+
+
 def test_unaligned_span_is_reverified_not_trusted():
     """A span starting and ending inside blocks: admission re-verifies real tokens, so the
     exact prefix is loaded (block-aligned) and every loaded block holds the target's own KV."""

@@ -188,3 +188,34 @@ def test_an_engine_keeps_serving_over_a_poisoned_store(redis_server: RedisServer
             assert output_tokens(again) == output_tokens(cold)
         counted = semkv_metrics_by_label(llm)
         assert counted.get("vllm:semkv_lookup_errors:kind=malformed_records", 0) >= 6, counted
+
+
+def test_other_engines_donors_tokens_come_in_one_round_trip(redis_server: RedisServer):  # noqa: F811
+    """A lookup that finds three of another engine's donors: its posting sets, the records of
+    the best ranked, then all three donors' token ids together (before: one round trip each,
+    2 + k in all, where the docs said two)."""
+    docs = [tuple(d) for d in SyntheticCorpus(seed=68).documents(3, 128)]
+    owner = store_provider(redis_server.url)
+    other = GuardedProvider(store_provider(redis_server.url, instance_id="engine-b"),
+                            timeout_s=5.0, token_limit=VOCAB)
+    other.known = lambda donor_id: "/" not in donor_id
+    try:
+        for i, doc in enumerate(docs):
+            owner.register_donor(DonorRecord(donor_id=f"d{i}", namespace=NS, token_ids=doc))
+        store = other.provider._shared.store  # type: ignore[attr-defined]
+        reads: list[int] = []
+        real = store.read
+
+        def counted(fill: Any) -> Any:
+            reads.append(1)
+            return real(fill)
+
+        store.read = counted
+        query = LookupQuery(request_id="q", namespace=NS, token_ids=docs[0] + docs[1] + docs[2])
+        result = other.lookup_now(query)
+        assert result.reason is None and len(result.remote) == 3, result
+        assert result.remote == {f"engine-a/d{i}": doc for i, doc in enumerate(docs)}
+        assert len(reads) == 3, reads
+    finally:
+        owner.close()
+        other.close()

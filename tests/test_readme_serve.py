@@ -213,6 +213,28 @@ def test_one_salt_per_tenant_as_the_operator_guide_shows(readme_server):
     assert other.choices[0].text and same.choices[0].text
 
 
+def test_what_any_client_reads_from_responses_and_metrics(readme_server):
+    """What docs/operator.md says a client can read beside its answer, shown on the README's
+    server: vLLM's ``/v1/responses`` reports ``usage.input_tokens_details.cached_tokens`` (its
+    own and semkv's tokens) whatever ``--enable-prompt-tokens-details`` says, so a document
+    another client sent before reads as cached; and ``/metrics`` (outside ``--api-key``'s
+    ``/v1`` prefix) shows semkv's counters, by tier, to anyone who reaches the port. The
+    operator's gateway must keep both from clients (docs/deployment.md)."""
+    base, _ = readme_server
+    model = json.loads(_get(base + "/v1/models"))["data"][0]["id"]
+    document = essay_prompts(1, chars=3000, seed=83)[0]
+    ask = {"model": model, "input": document, "max_output_tokens": 16, "temperature": 0}
+    first = _post(base + "/v1/responses", ask)
+    assert first["usage"]["input_tokens"] > 256
+    assert _post(base + "/reset_prefix_cache", {})["success"]  # vLLM's own cache forgets it
+    again = _post(base + "/v1/responses", ask)  # another client's guess of the document
+    cached = again["usage"]["input_tokens_details"]["cached_tokens"]
+    assert cached >= 256, again["usage"]  # semkv's tokens, reported to the client
+    text = _metrics_until(base, r'^vllm:semkv_materialize_success_total\{[^}]*tier="exact"')
+    assert re.search(r'^vllm:semkv_materialize_success_total\{[^}]*tier="exact"[^}]*\} [1-9]',
+                     text, re.M)  # what reuse did, readable without any key
+
+
 def test_a_20_turn_chat_is_served_its_history_and_answers_as_a_cold_server(
     readme_server, tmp_path
 ):

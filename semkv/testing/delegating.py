@@ -6,6 +6,8 @@ Fault injectors, spies and other wrappers subclass it and override only the call
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pydantic import BaseModel
 
 from semkv.provider import DonorProvider, DonorRecord, EmptyConfig, LookupQuery, ProviderContext
@@ -42,3 +44,10 @@ class DelegatingProvider(DonorProvider):
 
     def stats(self) -> dict[str, float]:
         return self.inner.stats()
+
+    def donor_tokens(self, donor_id: str, namespace: str) -> tuple[int, ...] | None:
+        return self.inner.donor_tokens(donor_id, namespace)
+
+    def donors_tokens(self, donor_ids: Sequence[str],
+                      namespace: str) -> dict[str, tuple[int, ...] | None]:
+        return self.inner.donors_tokens(donor_ids, namespace)

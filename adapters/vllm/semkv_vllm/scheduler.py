@@ -7,6 +7,8 @@ order in which finished requests' blocks go back to vLLM in ``finish_order.py``.
 
 Protocol, per vLLM scheduler step:
 - ``on_new_request``: register the request (cheap); with ``async_lookup`` start its lookup.
+  Without it a decision waits for its lookup, all of one step's waits within one lookup
+  budget (``semkv.lookup.StepBudget``): a burst's later requests wait a step instead.
 - ``get_num_new_matched_tokens`` (request has no computed tokens): decide once per
   (request, local prefix, preemption count) and answer the same on repeated calls. A hit holds
   a donor lease and pins the store slots it will read, before any token is reported.
@@ -48,7 +50,7 @@ from semkv.config import SemkvConfig
 from semkv.gates import full_prompt_cap
 from semkv.leases import LeaseTable
 from semkv.log import get_logger
-from semkv.lookup import GuardedProvider, LookupResult
+from semkv.lookup import GuardedProvider, LookupResult, StepBudget
 from semkv.metrics import CounterBag
 from semkv.namespace import Namespace
 from semkv.realize.memory import Budget
@@ -102,6 +104,7 @@ class SchedulerSide:
         self.bytes_per_slot = bytes_per_slot
         self.support = support  # what this engine's requests can take (engine_support.py)
         self.provider = provider
+        self.step_lookups = StepBudget()
         self.can_shift = can_shift  # positions of this model's keys can be moved (RoPE)
         self.finish_order = FinishOrder()
         # What the workers reported with their first step (None: no report yet)
@@ -392,8 +395,10 @@ class SchedulerSide:
 
     def _lookup(self, st: RequestState, local: int) -> LookupResult | None:
         assert self.provider is not None
-        if not self.config.async_lookup:
-            return self.provider.lookup_now(lookup_query(st, local, MAX_CANDIDATES))
+        if not self.config.async_lookup:  # waited for, one lookup budget per step in all
+            st.lookup_started, result = self.step_lookups.lookup(
+                self.provider, lookup_query(st, local, MAX_CANDIDATES), st.lookup_started)
+            return result
         if st.lookup_refused:  # on_new_request's submit found every lookup slot taken
             st.lookup_refused = False
             return LookupResult(reason=FallbackReason.PROVIDER_TIMEOUT)
@@ -484,6 +489,7 @@ class SchedulerSide:
         st.planned = True
 
     def build_connector_meta(self, scheduler_output: Any) -> SemkvMetadata:
+        self.step_lookups.new_step()  # the next schedule() waits one lookup budget at most
         meta = SemkvMetadata(loads=self.pending_loads, realizes=self.pending_realizes,
                              idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
         self.pending_loads, self.pending_realizes = [], []

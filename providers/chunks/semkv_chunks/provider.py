@@ -156,6 +156,13 @@ class ChunksProvider(DonorProvider):
     def donor_tokens(self, donor_id: str, namespace: str) -> tuple[int, ...] | None:
         return None if self._shared is None else self._shared.donors.tokens(donor_id, namespace)
 
+    def donors_tokens(self, donor_ids: Sequence[str],
+                      namespace: str) -> dict[str, tuple[int, ...] | None]:
+        """Several donors' token ids in one round trip to the shared store."""
+        if self._shared is None:
+            return dict.fromkeys(donor_ids)
+        return self._shared.donors.tokens_many(donor_ids, namespace)
+
     def donor_memory_bytes(self, num_tokens: int) -> int:
         """Per chunk a span and a prefix posting (key tuple, posting dict entry) and the
         donor's two key lists (measured: ~640 bytes a chunk; tests/test_index_memory.py)."""

@@ -12,7 +12,8 @@ Each posting set keeps the newest ``max_postings_per_chunk`` donors.
 Hashes are 64-bit BLAKE2b of the chunk's little-endian token ids (chained: of the previous
 hash and the chunk), identical in every process and Python version, unlike ``hash()``.
 
-A lookup is two round trips: the prefix and span posting sets of the query's chunks (at most
+A lookup is two round trips (a third, ``donors_tokens``, when it found other engines'
+donors): the prefix and span posting sets of the query's chunks (at most
 ``store_lookup_max_keys``: a long prompt's are sampled, see ``sampled``), then the records
 (lengths) of the best-ranked donors, which also renews their TTL and LRU rank and the
 TTL of the posting sets that matched.

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
@@ -227,6 +228,13 @@ class MinHashProvider(DonorProvider):
 
     def donor_tokens(self, donor_id: str, namespace: str) -> tuple[int, ...] | None:
         return None if self._shared is None else self._shared.donors.tokens(donor_id, namespace)
+
+    def donors_tokens(self, donor_ids: Sequence[str],
+                      namespace: str) -> dict[str, tuple[int, ...] | None]:
+        """Several donors' token ids in one round trip to the shared store."""
+        if self._shared is None:
+            return dict.fromkeys(donor_ids)
+        return self._shared.donors.tokens_many(donor_ids, namespace)
 
     def stats(self) -> dict[str, float]:
         with self._lock:

@@ -9,7 +9,8 @@ engines never share buckets):
 - ``d:{donor id}``: the record: ``t`` the token ids, ``s`` the signature (uint32,
   little-endian), ``h`` the number of unique shingles (for the coverage signal).
 
-A lookup is two round trips: the query's ``b`` buckets (their newest members,
+A lookup is two round trips (a third, ``donors_tokens``, when it found other engines'
+donors): the query's ``b`` buckets (their newest members,
 ``store_lookup_max_members`` in all), then the signatures of at most
 ``store_lookup_max_records`` candidates, those in the most of the query's buckets first
 (``RedisStore.most_found``; which also renews their TTL and LRU rank and the matched buckets'
