@@ -17,10 +17,11 @@
 - donors the host never registered (``known`` says so: another engine's, found through a
   shared discovery store) get their token ids from ``provider.donors_tokens`` (all of one
   lookup's in one call: one round trip) in the same lookup thread and budget
-  (``LookupResult.remote``), so the host can verify them. Those ids
-  were read from a store anyone with access can write: a donor whose ids are not all ints in
-  ``[0, token_limit)`` (the model's vocabulary) is dropped with its candidate, counted
-  ``malformed_records`` together with what the provider's store dropped (its ``stats()``).
+  (``LookupResult.remote``), so the host can verify them. Those ids were read from a store
+  anyone with access can write: a donor whose record is malformed, or whose ids are not all
+  ints in ``[0, token_limit)`` (the model's vocabulary), is dropped with its candidate,
+  counted ``malformed_records`` together with what the provider's store dropped (its
+  ``stats()``).
 
 NOTE: candidates that fail validation (bad spans, NaN similarity, wrong namespace) are dropped
 and counted as provider errors; the caller only ever sees well-formed candidates.
@@ -122,10 +123,11 @@ class GuardedProvider:
             # other engines' donors: their token ids, all in one call (one round trip)
             unknown = list(dict.fromkeys(c.donor_id for c in found if not self.known(c.donor_id)))
             got = self.provider.donors_tokens(unknown, query.namespace) if unknown else {}
+            asked = set(unknown)
             remote: dict[str, tuple[int, ...]] = {}
             kept: list[Candidate] = []
             for c in found:
-                if c.donor_id in got or c.donor_id not in unknown:
+                if c.donor_id in got or c.donor_id not in asked:
                     tokens = self._checked_tokens(got.get(c.donor_id))
                     if tokens is None:  # ids the model could not have read
                         continue

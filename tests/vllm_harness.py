@@ -191,3 +191,19 @@ def make_harness(extra: dict[str, Any], *, num_blocks: int = 400, num_batched: i
 
         worker._worker.layout = PageLayout.token_major(tuple(kv.shape[1:]))
     return Harness(scheduler, worker, kv)
+
+
+def timed_steps(h: Harness) -> list[float]:
+    """The wall time of each of ``h``'s steps from now on (its ``step`` wrapped)."""
+    steps: list[float] = []
+    step = h.step
+
+    def timed() -> Any:
+        began = time.monotonic()
+        try:
+            return step()
+        finally:
+            steps.append(time.monotonic() - began)
+
+    h.step = timed  # type: ignore[method-assign]
+    return steps

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from semkv.config import ConfigError, SemkvConfig
 from semkv.log import get_logger
-from semkv.lookup import GuardedProvider
+from semkv.lookup import TOKEN_LIMIT, GuardedProvider
 from semkv.provider import ProviderCapabilities, ProviderContext
 from semkv.types import Mode, QualityTier
 from semkv_vllm.namespace import namespace_from_vllm_config
@@ -129,8 +129,11 @@ def build_provider(config: SemkvConfig, vllm_config: VllmConfig,
     log.info("lookup_budget", provider=config.provider, lookup_timeout_ms=budget_ms,
              source="config" if budget_ms == config.lookup_timeout_ms else "provider")
     # another engine's donors' token ids are read from a shared store: the model's ids only
-    return GuardedProvider(provider, timeout_s=budget_ms / 1e3,
-                           token_limit=mc.get_vocab_size())
+    try:
+        vocab = int(mc.get_vocab_size())
+    except Exception:  # noqa: BLE001 - no vocabulary size to read: any 32-bit id
+        vocab = TOKEN_LIMIT
+    return GuardedProvider(provider, timeout_s=budget_ms / 1e3, token_limit=vocab)
 
 
 def request_only_possible(vllm_config: VllmConfig) -> bool:
