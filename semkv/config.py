@@ -137,6 +137,14 @@ class SemkvConfig(BaseSettings):
     lmcache_server_url: str = Field(
         default="tcp://127.0.0.1:5555", pattern=r"^[a-z]+://[^:/]+:\d+$",
         description="donor_store=lmcache: the LMCache multiprocess server (scheme://host:port).")
+    lmcache_lookup_timeout_ms: float = Field(default=2_000.0, gt=0.0, le=300_000.0, description=(
+        "donor_store=lmcache: how long a request waits for the server's prefix lookup before "
+        "it goes on without LMCache (lookup_errors lmcache_timeout); LMCache's own limit is "
+        "lmcache.mp.mq_timeout, 300 s."))
+    lmcache_retry_s: float = Field(default=1.0, ge=0.0, le=3_600.0, description=(
+        "donor_store=lmcache: after a lookup timed out, lookups the server cannot answer at "
+        "once are not waited for during this long (doubled per timeout in a row, at most "
+        "30 s; lookup_errors lmcache_breaker_open)."))
     realize_memory_bytes: ByteSize = Field(default=ByteSize(1 << 30), ge=1 << 20, description=(
         "Realized spans: the most memory one realization may hold at once (its dense span KV "
         "plus one chunk's activations) per worker; larger plans fall back, counted."))

@@ -28,7 +28,7 @@ Protocol (what a provider that opts in does; ``chunks`` and ``minhash`` do exact
   ``store_write_timeout_ms`` (writes), with no retries; a connection error or a timeout raises
   ``DiscoveryStoreUnavailable`` and opens the breaker of its kind (reads and writes have one
   each: slow registrations never refuse lookups, nor the reverse) for ``store_retry_s``,
-  doubled with each failure in a row up to ``MAX_RETRY_S``, during which calls of that kind
+  doubled with each failure in a row up to 30 s (``semkv.breaker``), during which calls of that kind
   fail at once (no socket touched); one success closes it. A lookup reads at most
   ``store_lookup_max_keys`` posting sets (a long prompt's are sampled), their newest
   ``store_lookup_max_members`` members in all, and the records of at most
@@ -56,7 +56,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MAX_RETRY_S = 30.0  # a breaker's longest open period (store_retry_s doubled per failure)
+from semkv.breaker import Breaker
+
 TOKEN_WIDTHS = {"I": 4, "q": 8}  # the type codes pack_tokens writes, and their item sizes
 MAX_COUNT_DIGITS = 9  # a count field (a donor's length, a shingle count) below 10**9
 # A stored donor id: the registering instance's name (``instance_id``'s pattern), then the
@@ -228,10 +229,11 @@ class RedisStore:
         self._errors: tuple[type[BaseException], ...] = (
             redis.ConnectionError, redis.TimeoutError, OSError)
 
-        from semkv.store_credentials import check_at_start, client_credentials
+        from semkv.store_credentials import check_at_start, client_credentials, warn_if_in_clear
         from semkv.store_tls import tls_arguments
 
         credentials = client_credentials(config)  # the secret: read here, kept by redis-py only
+        warn_if_in_clear(config.discovery_store, config)
         tls = tls_arguments(config)  # files checked here: a bad one stops the start
 
         def client(timeout_ms: float, with_credentials: bool = True) -> Any:
@@ -244,8 +246,8 @@ class RedisStore:
         self._write: Any = client(config.store_write_timeout_ms)
         check_at_start(self._write, config.discovery_store, config,
                        anonymous=lambda: client(config.store_write_timeout_ms, False))
-        self._down_until = {"read": 0.0, "write": 0.0}  # a breaker each
-        self._failures = {"read": 0, "write": 0}  # in a row, per breaker
+        # NOTE: reads and writes have breakers of their own (semkv.breaker)
+        self.breakers = {kind: Breaker(config.store_retry_s) for kind in ("read", "write")}
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
 
@@ -307,7 +309,8 @@ class RedisStore:
     # -- calls under the breaker ---------------------------------------------------------------
     def _run(self, write: bool, fill: Callable[[Any], None]) -> list[Any]:
         kind = "write" if write else "read"
-        if time.monotonic() < self._down_until[kind]:
+        breaker = self.breakers[kind]
+        if breaker.is_open():
             self._count("store_refused", f"store_{kind}_refused")
             raise DiscoveryStoreUnavailable(f"discovery store {kind}s marked down; retrying later")
         pipe = (self._write if write else self._read).pipeline(transaction=False)
@@ -317,21 +320,19 @@ class RedisStore:
         except self._errors as exc:
             timeout = "Timeout" in type(exc).__name__ or isinstance(exc, TimeoutError)
             self._count("store_timeouts" if timeout else "store_errors")
-            with self._lock:  # NOTE: reads and writes have breakers of their own
-                self._failures[kind] += 1
-                self._down_until[kind] = time.monotonic() + self.open_for(kind)
-            raise DiscoveryStoreUnavailable(type(exc).__name__) from exc
-        if self._failures[kind]:
             with self._lock:
-                self._failures[kind] = 0
+                breaker.fail()
+            raise DiscoveryStoreUnavailable(type(exc).__name__) from exc
+        if breaker.failures:
+            with self._lock:
+                breaker.succeed()
         return result
 
     def open_for(self, kind: str) -> float:
         """How long the breaker of ``kind`` stays open after its latest failure:
         ``store_retry_s``, doubled with each failure in a row (a store that stays slow costs
-        one timeout per period, not one per ``store_retry_s``), at most ``MAX_RETRY_S``."""
-        period = float(self.config.store_retry_s) * 2.0 ** (self._failures[kind] - 1)
-        return min(period, max(MAX_RETRY_S, float(self.config.store_retry_s)))
+        one timeout per period, not one per ``store_retry_s``), at most 30 s."""
+        return self.breakers[kind].open_for()
 
     def read(self, fill: Callable[[Any], None]) -> list[Any]:
         return self._run(False, fill)

@@ -28,7 +28,9 @@ FAMILIES: dict[str, tuple[str | None, str]] = {
                               "register_dropped: registrations dropped while the provider's "
                               "write queue was full (a slow shared store); "
                               "malformed_records: shared-store records semkv did not write, "
-                              "dropped."),
+                              "dropped; lmcache_timeout, lmcache_breaker_open: LMCache's "
+                              "prefix lookup not waited for (past lmcache_lookup_timeout_ms, "
+                              "or its breaker open)."),
     "request_options_refused": ("option", "Request options refused and dropped: an override "
                                           "request_overrides does not name (recompute, "
                                           "kv_floor, text), or a recompute override below the "

@@ -86,3 +86,15 @@ def namespace_gate(request: Namespace, donor_digest: str) -> FallbackReason | No
 def canonical(value: object) -> str:
     """Canonical JSON for a nested settings value (used to fill string namespace fields)."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def content_key(namespace: str, text: str) -> bytes:
+    """A 16-byte key of ``text`` under ``namespace`` (a digest, salt included), for providers'
+    content caches (embedded windows, embedded prompts): the same text under two namespaces
+    never shares an entry, so no lookup answers faster because another tenant sent the text.
+    The namespace goes in length first: no (namespace, text) pair aliases another."""
+    digest = hashlib.blake2b(digest_size=16)
+    ns = namespace.encode("utf-8", "surrogatepass")
+    digest.update(len(ns).to_bytes(4, "little") + ns)
+    digest.update(text.encode("utf-8", "surrogatepass"))
+    return digest.digest()

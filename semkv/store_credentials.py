@@ -5,8 +5,9 @@ production store requires a password. The config never holds the secret, only wh
 
 - ``store_username``: the ACL user (default: the server's ``default`` user);
 - ``store_password_env``: the name of an environment variable holding the password, or
-  ``store_password_file``: a file holding it (its first line; readable by the engine's user
-  only). One of the two, never both; a URL carrying ``user:password@`` is refused.
+  ``store_password_file``: a file holding it (its first line; a file other users may read or
+  write is refused at start-up). One of the two, never both; a URL carrying
+  ``user:password@`` is refused.
 
 The secret is read once, when the store is built at engine start-up, and handed to redis-py
 only: no config dump, log line or error message contains it. At start-up the store sends one
@@ -17,21 +18,26 @@ that does not verify or a client certificate the server refuses is a start-up er
 (``semkv.store_tls``). With a password configured,
 a second ``PING`` without credentials tells whether the server is open to anyone who reaches
 it (Redis accepts any password for a user that has none): a warning,
-``discovery_store_unprotected``.
+``discovery_store_unprotected``. A plain ``redis://`` store beyond loopback is warned about too
+(``discovery_store_in_clear``): the password and the token ids cross the network unencrypted.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from semkv.config import ConfigError
 from semkv.log import get_logger
+from semkv.net import is_loopback
 from semkv.store_tls import TlsSettings, handshake_refusal, uses_tls
 
 log = get_logger("semkv.store")
+OTHERS = stat.S_IROTH | stat.S_IWOTH  # a password file with either bit is refused
 
 
 class CredentialSettings(TlsSettings, Protocol):
@@ -56,12 +62,20 @@ def store_password(config: CredentialSettings) -> str | None:
                 "environment variable is not set, or empty, in the engine's environment")
         return value
     if config.store_password_file is not None:
+        path = Path(config.store_password_file)
         try:
-            lines = Path(config.store_password_file).read_text().splitlines()
+            mode = stat.S_IMODE(path.stat().st_mode)  # a symlink's target (a mounted secret)
+            lines = path.read_text().splitlines()
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(
                 f"provider_config.store_password_file={config.store_password_file!r}: cannot "
                 f"read it ({type(exc).__name__})") from None
+        if mode & OTHERS:
+            raise ConfigError(
+                f"provider_config.store_password_file={config.store_password_file!r}: other "
+                f"users may read or write it (mode {mode:04o}); make it 0600 or 0400 (0440 "
+                "for a group the engine's user is in; Kubernetes: the secret volume's "
+                "defaultMode)")
         if not lines or not lines[0]:
             raise ConfigError(f"provider_config.store_password_file="
                               f"{config.store_password_file!r}: its first line is empty")
@@ -93,6 +107,21 @@ def describe(config: CredentialSettings) -> str:
     return ", ".join(said)
 
 
+def warn_if_in_clear(store_url: str, config: CredentialSettings) -> bool:
+    """Warns ``discovery_store_in_clear`` (and returns True) for a plain ``redis://`` store on
+    a host other than loopback: the password (``AUTH``, when one is configured) and every
+    tenant's prompt token ids cross the network readable, and alterable, by whoever is on the
+    path. ``rediss://`` (TLS) and ``unix://`` sockets are not warned about."""
+    if urlsplit(store_url).scheme != "redis" or is_loopback(urlsplit(store_url).hostname or ""):
+        return False
+    password = config.store_password_env is not None or config.store_password_file is not None
+    log.warning("discovery_store_in_clear", store=store_url, password_sent=password,
+                why="plain TCP: " + ("the password and " if password else "")
+                    + "every tenant's prompt token ids cross the network in clear",
+                fix="rediss:// with store_tls_* settings (docs/deployment.md)")
+    return True
+
+
 def check_at_start(client: Any, store_url: str, config: CredentialSettings,
                    anonymous: Callable[[], Any] | None = None) -> bool:
     """One ``PING``: raises ``ConfigError`` when the server refuses the credentials; returns
@@ -117,8 +146,9 @@ def check_at_start(client: Any, store_url: str, config: CredentialSettings,
                 f"provider_config.discovery_store={store_url!r}: {refusal}") from None
         if uses_tls(config) and "handshake" in str(exc.__context__ or exc):
             log.warning("discovery_store_tls_handshake_timeout", store=store_url,
-                        why="the server accepted the connection but not the TLS handshake in "
-                            "time: a redis:// (plain) port, or a stalled server",
+                        why="the server accepted the connection but not the TLS handshake "
+                            "in time",
+                        likely="a redis:// (plain) port, or a stalled server",
                         then="local discovery until it answers")
         return False
     if anonymous is not None and (config.store_password_env or config.store_password_file):

@@ -71,6 +71,10 @@ INVALID: dict[str, st.SearchStrategy[Any]] = {
     "donor_store": st.text(max_size=10).filter(lambda v: v not in ("host", "lmcache")),
     # NOTE: any string is accepted (the URL is only used when donor_store=lmcache connects).
     "lmcache_server_url": _NOT_STR,
+    "lmcache_lookup_timeout_ms": st.one_of(st.floats(-1e6, 0.0), st.floats(300_000.001, 1e9),
+                                           st.just("soon")),
+    "lmcache_retry_s": st.one_of(st.floats(-1e6, -0.0001), st.floats(3600.001, 1e9),
+                                 st.just(float("nan")), st.just("later")),
     "provider_config": st.one_of(st.just("not-a-dict"), st.just([1, 2]), st.integers()),
     "config_file": st.just("/nonexistent/semkv.yaml"),
 }

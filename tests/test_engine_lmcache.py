@@ -85,6 +85,7 @@ def _wait_listening(port: int, proc: subprocess.Popen[bytes], seconds: float) ->
 
 
 _HTTP_PORTS: dict[str, int] = {}  # a server's URL -> its admin HTTP port
+_SERVERS: dict[str, subprocess.Popen[bytes]] = {}  # a server's URL -> its process
 
 
 def _lmcache_objects(url: str) -> tuple[int, int]:
@@ -127,6 +128,7 @@ def lmcache_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                                 env=dict(os.environ, LMCACHE_DISABLE_BANNER="1"))
     try:
         _wait_listening(port, proc, seconds=120)
+        _SERVERS[f"tcp://127.0.0.1:{port}"] = proc
         yield f"tcp://127.0.0.1:{port}"
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -135,6 +137,47 @@ def lmcache_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_a_hung_server_holds_a_request_no_longer_than_the_lookup_deadline(lmcache_url):
+    """LMCache's own lookup against a server that stops answering (SIGSTOP) waits for its
+    heartbeat (10 s) or ``mq_timeout`` (300 s); under semkv's deadline (0.3 s here) the request
+    goes on without it, the next at once (breaker open), and once the server is back the
+    breaker closes (tests/lmcache_lookup_child.py; no engine: LMCache's real scheduler adapter
+    against the real server)."""
+    proc = subprocess.Popen([sys.executable, "-m", "tests.lmcache_lookup_child", lmcache_url],
+                            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    server = _SERVERS[lmcache_url]
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        os.killpg(server.pid, signal.SIGSTOP)
+        try:
+            proc.stdin.write("stopped\n")
+            proc.stdin.flush()
+            hung = json.loads(proc.stdout.readline())
+        finally:
+            os.killpg(server.pid, signal.SIGCONT)
+        proc.stdin.write("resumed\n")
+        proc.stdin.flush()
+        back = json.loads(proc.stdout.readline())
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    print("lmcache lookups, server hung then back:", json.dumps({"hung": hung, "back": back}))
+    # Before: LMCache alone still had no answer after 2 s of steps (the request kept waiting).
+    assert hung["alone"]["answer"] is None and hung["alone"]["seconds"] >= 2.0, hung
+    assert hung["healthy"], hung  # its own breaker (the heartbeat) had not noticed yet
+    # Now: the deadline, then the breaker.
+    assert hung["first"]["answer"] == 0 and 0.3 <= hung["first"]["seconds"] < 1.0, hung
+    assert hung["next"]["answer"] == 0 and hung["next"]["polls"] == 1, hung
+    assert hung["counts"] == {"lookup_errors:lmcache_timeout": 1,
+                              "lookup_errors:lmcache_breaker_open": 1}, hung
+    # Back: the probe is answered (nothing stored under these tokens) and closes the breaker.
+    assert back["probe"]["answer"] == 0 and back["probe"]["seconds"] < 0.3, back
+    assert back["failures"] == 0 and back["counts"] == hung["counts"], back
 
 
 def _tiny_env(model: Path | None = None, **extra: str) -> dict[str, str]:

@@ -173,3 +173,54 @@ def test_stores_are_held_only_for_host_kv_in_an_engine_core_of_its_own(monkeypat
         device=SimpleNamespace(type="cuda"))})  # LMCache's device store is asynchronous
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     assert not lmcache_store.holds_saves(cpu)  # steps only when asked: a held store waits
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_lookups_wait_up_to_the_deadline_then_the_breaker_skips_the_wait():
+    """``LMCacheLookups`` over a stand-in for LMCache's answers (None: not yet) and a stand-in
+    clock: the deadline, the breaker's doubling, a request given up on staying without LMCache,
+    an answer closing the breaker. The real server, hung: test_engine_lmcache.py."""
+    from semkv_vllm.lmcache_lookup import LMCacheLookups
+
+    from semkv.breaker import Breaker
+    from semkv.metrics import CounterBag
+
+    clock, stats = _Clock(), CounterBag()
+    lookups = LMCacheLookups(2.0, Breaker(1.0, clock=clock), stats, clock=clock)
+    answers: dict[str, int | None] = {"a": None, "b": None, "c": 64}
+    asked: list[str] = []
+
+    def ask(rid: str):
+        return lambda: (asked.append(rid), answers[rid])[1]
+
+    assert lookups.found("a", ask("a")) is None  # asked; not answered: ask again next step
+    clock.now += 1.9
+    assert lookups.found("a", ask("a")) is None
+    clock.now += 0.1
+    assert lookups.found("a", ask("a")) == 0  # 2 s after the first ask: goes on without it
+    assert lookups.breaker.is_open() and lookups.breaker.open_for() == 1.0
+    answers["a"] = 256  # LMCache answers late: the request keeps its 0, never asked again
+    assert lookups.found("a", ask("a")) == 0 and asked.count("a") == 3
+    assert lookups.found("b", ask("b")) == 0  # breaker open: not waited for, but asked
+    assert asked[-1] == "b"
+    assert lookups.found("c", ask("c")) == 64  # an answer at once is taken, open or not
+    assert not lookups.breaker.is_open() and lookups.breaker.failures == 0  # and closes it
+    lookups.forget("a")
+    assert lookups.found("a", ask("a")) == 256  # a finished request's id starts over
+    assert dict(stats.counters) == {"lookup_errors:lmcache_timeout": 1,
+                                    "lookup_errors:lmcache_breaker_open": 1}
+    # In a row, the breaker's period doubles (at most 30 s); one answer resets it.
+    for rid in ("d", "e", "f"):
+        answers[rid] = None
+        clock.now += 10.0  # past any open period: each waits its deadline again
+        assert lookups.found(rid, ask(rid)) is None
+        clock.now += 2.0
+        assert lookups.found(rid, ask(rid)) == 0
+    assert lookups.breaker.failures == 3 and lookups.breaker.open_for() == 4.0

@@ -22,3 +22,28 @@ def test_logger_output_carries_no_payload(caplog):
     assert "lookup" in joined and "donors" in joined
     assert "quick brown" not in joined and "2023" not in joined
     assert json.loads(caplog.records[-1].getMessage())["donors"] == 2
+
+
+def test_no_log_call_writes_a_reason_the_guard_would_redact():
+    """The guard replaces any string field over ``MAX_STRING`` characters by its length; a
+    reason written as one long literal reaches the operator as ``<redacted len=...>`` (two
+    warnings did: ``lmcache_server_unauthenticated``'s and the TLS handshake's). Read from the
+    source: every literal keyword of a ``log.<level>(...)`` call fits."""
+    import ast
+    from pathlib import Path
+
+    from semkv.log import MAX_STRING
+
+    root = Path(__file__).resolve().parents[1]
+    too_long = []
+    for path in [p for d in ("semkv", "adapters", "providers") for p in (root / d).rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("debug", "info", "warning", "error", "exception")
+                    and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id in ("log", "logger")):
+                continue
+            too_long += [f"{path.relative_to(root)}:{node.lineno} {kw.arg}" for kw in node.keywords
+                         if isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str)
+                         and len(kw.value.value) > MAX_STRING]
+    assert not too_long, too_long

@@ -228,7 +228,7 @@ def test_a_store_that_stays_down_is_asked_less_and_less_often(proxy: TcpProxy):
         got = guarded.lookup_now(LookupQuery(request_id="ok", namespace=NS,
                                              token_ids=_docs(1, seed=9)[0]))
         assert got.reason is None, got
-        assert store._failures["read"] == 0  # closed: the next failure starts over at 0.05 s
+        assert store.breakers["read"].failures == 0  # closed: the next failure: 0.05 s again
     finally:
         proxy.mode = "pass"
         guarded.close()

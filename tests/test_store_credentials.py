@@ -89,9 +89,60 @@ def test_wrong_or_missing_credentials_stop_the_start(start: Start, monkeypatch,
     assert "store_password_file=" in text and "cannot read" in text, text
     acl = start("--user", "semkv", "on", f">{SECRET}", "~*", "&*", "+@all")
     (tmp_path / "pw").write_text(SECRET)
+    (tmp_path / "pw").chmod(0o600)
     text = _refused(lambda: _provider(acl, store_username="nobody",
                                       store_password_file=str(tmp_path / "pw")))
     assert "store_username='nobody'" in text, text
+
+
+@pytest.mark.parametrize("mode, refused", [(0o644, True), (0o606, True), (0o602, True),
+                                           (0o640, False), (0o400, False)])
+def test_a_password_file_other_users_may_read_is_refused(start: Start, tmp_path: Path, mode,
+                                                         refused):
+    """Before: any mode was read (a 0644 file, what ``echo pw > file`` makes, served). Now one
+    that other users may read or write stops the start, naming the mode; a group's read (a
+    Kubernetes secret with fsGroup) is the operator's choice."""
+    server = start("--requirepass", SECRET)
+    secret = tmp_path / "pw"
+    secret.write_text(SECRET + "\n")
+    secret.chmod(mode)
+    if refused:
+        text = _refused(lambda: _provider(server, store_password_file=str(secret)))
+        assert f"mode {mode:04o}" in text and "0600" in text and SECRET not in text, text
+    else:
+        assert _round_trip(server, "chunks", store_password_file=str(secret)) == ["engine-a/d1"]
+
+
+@pytest.mark.parametrize("url, password, warned", [
+    ("redis://10.0.3.7:6379/0", True, True), ("redis://redis.internal:6379/0", False, True),
+    ("redis://127.0.0.1:6379/0", True, False), ("redis://localhost:6379/0", True, False),
+    ("redis://[::1]:6379/0", True, False), ("rediss://10.0.3.7:6380/0", True, False),
+    ("unix:///run/redis.sock", True, False)])
+def test_a_plain_store_beyond_loopback_is_warned_in_clear(url, password, warned, caplog):
+    from types import SimpleNamespace
+
+    from semkv.store_credentials import warn_if_in_clear
+
+    config = SimpleNamespace(store_password_env="REDIS_PASSWORD" if password else None,
+                             store_password_file=None)
+    with caplog.at_level(logging.WARNING):
+        assert warn_if_in_clear(url, config) is warned  # type: ignore[arg-type]
+    assert ("discovery_store_in_clear" in caplog.text) is warned, caplog.text
+    if warned:
+        assert ("the password and" in caplog.text) is password, caplog.text
+
+
+def test_the_store_warns_in_clear_at_start_up(monkeypatch, caplog):
+    """Wired into the store's start: a provider on a plain redis:// address beyond loopback
+    (TEST-NET, unreachable: the start goes on, local discovery) says so once, before any
+    request; before, nothing was said."""
+    monkeypatch.setenv("REDIS_TEST_PASSWORD", SECRET)
+    with caplog.at_level(logging.WARNING):
+        store_provider("redis://192.0.2.1:6379/0", "chunks", store_timeout_ms=100.0,
+                       store_write_timeout_ms=100.0,
+                       store_password_env="REDIS_TEST_PASSWORD").close()
+    assert caplog.text.count("discovery_store_in_clear") == 1, caplog.text
+    assert SECRET not in caplog.text
 
 
 def test_a_password_for_an_open_server_is_warned_about(start: Start, monkeypatch, caplog):

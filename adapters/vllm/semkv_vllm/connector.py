@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from semkv.breaker import Breaker
 from semkv.config import SemkvConfig
 from semkv.log import get_logger
 from semkv.types import Mode
@@ -61,6 +62,7 @@ from semkv_vllm.engine_setup import (
     store_geometry,
 )
 from semkv_vllm.engine_support import engine_support, kv_groups
+from semkv_vllm.lmcache_lookup import LMCacheLookups
 from semkv_vllm.metadata import SemkvMetadata, SemkvWorkerMetadata
 from semkv_vllm.namespace import namespace_after_reset, namespace_from_vllm_config
 from semkv_vllm.rope import RopeShift
@@ -94,6 +96,7 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
         self._shared: Any = None  # donor_store=lmcache: LMCache's connector, same role
         self._shared_loads: Any = None
         self._shared_found: dict[str, int] = {}  # request id -> tokens LMCache can load
+        self._shared_lookups: LMCacheLookups | None = None  # its deadline and breaker
         self._shared_meta: Any = None  # this step's LMCache metadata (worker side)
         self._deferred_save: Any = None  # KV on CPU: LMCache's store runs a step later
         if self.config.donor_store == "lmcache":
@@ -134,6 +137,10 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
                                 semantic or self.config.semantic_mode is Mode.DISCOVERY_ONLY)
                             else None),
                 cost_gate=EngineCost.from_vllm_config(vllm_config))
+            if self._shared is not None:
+                self._shared_lookups = LMCacheLookups(
+                    self.config.lmcache_lookup_timeout_ms / 1e3,
+                    Breaker(self.config.lmcache_retry_s), self._scheduler.stats)
             log.info("semkv_connector_ready", mode=str(self.config.semantic_mode),
                      provider=self.config.provider, slots=slots, bytes_per_slot=per_slot,
                      block_size=block_size)
@@ -352,7 +359,13 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
         if self._shared is not None:
             # LMCache is asked about every request, as vLLM would (it tracks each request's
             # blocks from here on for its saves); semkv decides whether its answer is taken.
-            found = self._shared.get_num_new_matched_tokens(request, num_computed_tokens)[0]
+            def ask() -> int | None:
+                tokens: int | None = self._shared.get_num_new_matched_tokens(
+                    request, num_computed_tokens)[0]
+                return tokens
+
+            assert self._shared_lookups is not None  # its wait is bounded (lmcache_lookup.py)
+            found = self._shared_lookups.found(request.request_id, ask)
             if found is None:
                 return None, False  # its lookup is still running: vLLM asks again next step
             self._shared_found[request.request_id] = int(found)
@@ -409,6 +422,8 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
         delay_free = False
         if self._shared is not None:
             self._shared_found.pop(request.request_id, None)
+            if self._shared_lookups is not None:
+                self._shared_lookups.forget(request.request_id)
             # LMCache may still be saving the request's blocks: it frees them when done.
             delay_free, _ = self._shared.request_finished(request, block_ids)
         with self._timed():

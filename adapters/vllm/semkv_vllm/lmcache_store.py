@@ -38,6 +38,7 @@ from typing import Any
 
 from semkv.config import ConfigError, SemkvConfig
 from semkv.log import get_logger
+from semkv.net import is_loopback
 from semkv.types import Mode, QualityTier
 
 log = get_logger("semkv.vllm.lmcache")
@@ -77,17 +78,12 @@ def warn_if_reachable_beyond_host(url: str) -> bool:
     loopback: LMCache's client (0.5.6: ZMQ over TCP, or gRPC's insecure channel) has no
     authentication and no TLS, so whoever reaches the port reads every tenant's KV and can
     store KV under any key, which semkv then serves as exact (docs/deployment.md)."""
-    import ipaddress
-
-    host = _split_url(url)[0].split("://", 1)[-1].strip("[]")
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name other than localhost: it may be reached from elsewhere
-        loopback = False
+    loopback = is_loopback(_split_url(url)[0].split("://", 1)[-1])
     if not loopback:
         log.warning("lmcache_server_unauthenticated", url=url,
-                    why="LMCache's client has no authentication or TLS: whoever reaches the "
-                        "port reads every tenant's KV and can write KV served as exact",
+                    why="LMCache's client has no authentication or TLS",
+                    risk="whoever reaches the port reads every tenant's KV and can write KV "
+                         "served as exact",
                     fix="a private network only the engines reach (docs/deployment.md)")
     return not loopback
 

@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from collections import OrderedDict, defaultdict
@@ -27,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from semkv.namespace import content_key
 
 if TYPE_CHECKING:
     import numpy as np
@@ -93,11 +94,7 @@ class VectorCache:
 
     @staticmethod
     def key(namespace: str, window: str) -> bytes:
-        digest = hashlib.blake2b(digest_size=16)
-        ns = namespace.encode("utf-8")
-        digest.update(len(ns).to_bytes(4, "little") + ns)  # length first: no ambiguity
-        digest.update(window.encode("utf-8"))
-        return digest.digest()
+        return content_key(namespace, window)
 
     def get(self, key: bytes) -> NDArray[np.float32] | None:
         with self._lock:

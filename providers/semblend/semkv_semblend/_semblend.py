@@ -8,12 +8,13 @@ plugins stays cheap and a missing ``semblend`` only fails the provider that need
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from semkv.namespace import content_key
 
 INSTALL_HINT = "pip install semkv-semblend (which installs semblend>=0.3.25,<0.4)"
 MINILM_HINT = (
@@ -98,11 +99,7 @@ class CachingEmbedder:
         return int(self.inner.dimension)
 
     def embed(self, text: str, namespace: str) -> Any:
-        digest = hashlib.blake2b(digest_size=16)
-        ns = namespace.encode("utf-8", "surrogatepass")
-        digest.update(len(ns).to_bytes(4, "little") + ns)  # length first: no ambiguity
-        digest.update(text.encode("utf-8", "surrogatepass"))
-        key = digest.digest()
+        key = content_key(namespace, text)
         with self._lock:
             if key in self._lru:
                 self._lru.move_to_end(key)
