@@ -23,9 +23,9 @@ test: env
 test-fast: env
 	$(PYTEST) $(XDIST) -m "not engine" $(PYTEST_ARGS)
 
-# The scheduler-side suite and the namespace tests against the CUDA build of the newest
-# supported vLLM, without a GPU: its wheel's Python source (downloaded once, cached under
-# ~/.cache/semkv) over .venv (docs/cuda-build.md).
+# The scheduler-side suite and the namespace tests against every supported CUDA build of vLLM,
+# without a GPU: each wheel's Python source (downloaded once, cached under ~/.cache/semkv) over
+# .venv (docs/cuda-build.md).
 test-cuda-build: env
 	VENV=$(VENV) bash scripts/cuda_build_check.sh
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make test-cuda-build`: semkv's scheduler-side suite and namespace tests against the Python
-# source of the CUDA build of the newest supported vLLM, on a machine without a GPU
+# source of every supported CUDA build of vLLM (SUPPORTED below), on a machine without a GPU
 # (docs/cuda-build.md says what this covers and what it cannot).
 #
 # The CUDA `vllm` wheel is downloaded once (pip download, no dependencies) and unzipped under
@@ -15,52 +15,36 @@
 # CUDA platform's own answers for the namespace are checked with the GPU faked
 # (tests/faked_cuda_child.py).
 #
-# Environment: CUDA_BUILD_VLLM (the version, default below), CUDA_BUILD_OFFLINE=1 (never
-# download: exit 0 with a note when the cache is missing), PYTEST_ARGS (extra pytest arguments).
+# Environment: CUDA_BUILD_VLLM (the versions, default: every supported one, SUPPORTED below),
+# CUDA_BUILD_OFFLINE=1 (never download: a version not cached is skipped with a note),
+# PYTEST_ARGS (extra pytest arguments).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VERSION=${CUDA_BUILD_VLLM:-0.33.0}
+# Every CUDA build semkv supports, oldest first: the one list (the gpu extra's bounds follow it).
+SUPPORTED="0.33.0 0.34.0"
+VERSIONS=${CUDA_BUILD_VLLM:-$SUPPORTED}
 VENV=${VENV:-.venv}
 PY=$VENV/bin/python
-CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/semkv/vllm-cuda/$VERSION
-SITE=$CACHE/site
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-fetch() {
-  if [[ "${CUDA_BUILD_OFFLINE:-0}" == 1 ]]; then
-    echo "[cuda-build] no cached vLLM $VERSION CUDA source ($SITE) and offline: skipped" >&2
-    exit 0
-  fi
-  local start wheel
+fetch() {  # fetch VERSION CACHE: the wheel's source into CACHE/site, once
+  local version=$1 cache=$2 start wheel
   start=$(date +%s)
-  mkdir -p "$CACHE"
-  tmp=$(mktemp -d "$CACHE/.fetch.XXXXXX")  # global: the EXIT trap removes it
+  mkdir -p "$cache"
+  tmp=$(mktemp -d "$cache/.fetch.XXXXXX")  # global: the EXIT trap removes what is left
   trap 'rm -rf "$tmp"' EXIT
-  echo "[cuda-build] downloading the vllm $VERSION wheel (CUDA build, ~340 MB) into $CACHE" >&2
+  echo "[cuda-build] downloading the vllm $version wheel (CUDA build, ~340 MB) into $cache" >&2
   PYTHONWARNINGS=ignore "$PY" -m pip download -q --no-deps --only-binary=:all: \
-    --platform manylinux_2_28_x86_64 "vllm==$VERSION" -d "$tmp/wheel" \
+    --platform manylinux_2_28_x86_64 "vllm==$version" -d "$tmp/wheel" \
     2> >(grep -v -e "^WARNING: Location" >&2)
-  wheel=$(ls "$tmp"/wheel/vllm-"$VERSION"-*.whl)
+  wheel=$(ls "$tmp"/wheel/vllm-"$version"-*.whl)
   "$PY" -m zipfile -e "$wheel" "$tmp/site"
   { echo "wheel: $(basename "$wheel")"; echo "sha256: $(sha256sum "$wheel" | cut -d' ' -f1)"
     echo "fetched: $(date -u +%FT%TZ) in $(( $(date +%s) - start )) s"; } > "$tmp/site/.semkv-fetched"
-  rm -rf "$SITE"
-  mv "$tmp/site" "$SITE"
-  echo "[cuda-build] $(cat "$SITE/.semkv-fetched" | tr '\n' ' ')" >&2
+  rm -rf "$cache/site"
+  mv "$tmp/site" "$cache/site"
+  echo "[cuda-build] $(tr '\n' ' ' < "$cache/site/.semkv-fetched")" >&2
 }
-
-[[ -f "$SITE/.semkv-fetched" ]] || fetch
-
-export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
-export VLLM_TARGET_DEVICE=cpu
-# tests/test_vllm_namespace.py asserts the version it imported (no SEMKV_ prefix: those are
-# semkv config keys, and an unknown one is refused)
-export CUDA_BUILD_EXPECT_VLLM=$VERSION
-"$PY" - <<PY
-import vllm
-assert vllm.__version__ == "$VERSION" and vllm.__file__.startswith("$SITE"), vllm.__file__
-print(f"[cuda-build] vllm {vllm.__version__} from {vllm.__file__}", flush=True)
-PY
 
 # The suite: every test file that imports vLLM, without a real engine (`engine` tests need the
 # compiled kernels), plus the core namespace tests. One test writes pages through vLLM's compiled
@@ -68,10 +52,40 @@ PY
 mapfile -t files < <(grep -lE 'importorskip\("vllm"|^from vllm|^import vllm|vllm_harness' \
   tests/test_*.py)
 files+=(tests/test_namespace.py)
-start=$(date +%s)
+
+check() {  # check VERSION: the suite over that CUDA build's source
+  local version=$1 cache site start status=0
+  cache=${XDG_CACHE_HOME:-$HOME/.cache}/semkv/vllm-cuda/$version
+  site=$cache/site
+  if [[ ! -f "$site/.semkv-fetched" ]]; then
+    if [[ "${CUDA_BUILD_OFFLINE:-0}" == 1 ]]; then
+      echo "[cuda-build] no cached vLLM $version CUDA source ($site) and offline: skipped" >&2
+      return 0
+    fi
+    fetch "$version" "$cache"
+  fi
+  # VLLM_TARGET_DEVICE=cpu: see the top. CUDA_BUILD_EXPECT_VLLM: tests/test_vllm_namespace.py
+  # asserts the version it imported (no SEMKV_ prefix: those are semkv config keys, and an
+  # unknown one is refused). CUDA_BUILD_TRITON_CPU_STANDIN: vLLM 0.34's CPU platform wants
+  # triton-cpu on x86 for its kernels; the check runs none (tests/conftest.py stands in).
+  local env=("PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}" VLLM_TARGET_DEVICE=cpu
+             "CUDA_BUILD_EXPECT_VLLM=$version" CUDA_BUILD_TRITON_CPU_STANDIN=1)
+  env "${env[@]}" "$PY" - <<PY
+import vllm
+assert vllm.__version__ == "$version" and vllm.__file__.startswith("$site"), vllm.__file__
+print(f"[cuda-build] vllm {vllm.__version__} from {vllm.__file__}", flush=True)
+PY
+  start=$(date +%s)
+  env "${env[@]}" "$PY" -m pytest -q -p no:cacheprovider -rfEs -m "not engine" -n 2 \
+    --dist loadfile \
+    --deselect tests/test_rope_layout.py::test_cpu_page_layout_probed_from_the_engine_kernel_round_trips \
+    "${files[@]}" ${PYTEST_ARGS:-} || status=$?
+  echo "[cuda-build] vllm $version (CUDA build source): ${#files[@]} files, $(( $(date +%s) - start )) s, exit $status" >&2
+  return $status
+}
+
 status=0
-"$PY" -m pytest -q -p no:cacheprovider -rfEs -m "not engine" \
-  --deselect tests/test_rope_layout.py::test_cpu_page_layout_probed_from_the_engine_kernel_round_trips \
-  "${files[@]}" ${PYTEST_ARGS:-} || status=$?
-echo "[cuda-build] vllm $VERSION (CUDA build source): ${#files[@]} files, $(( $(date +%s) - start )) s, exit $status" >&2
+for version in $VERSIONS; do
+  check "$version" || status=1
+done
 exit $status

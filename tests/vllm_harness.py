@@ -41,6 +41,16 @@ EOS = 2
 _hash_ready = False
 
 
+def _index_of(req_ids: list[str]) -> dict[str, Any]:
+    """``ModelRunnerOutput``'s request index where the vLLM has the field (0.32, 0.33:
+    ``req_id_to_index``; 0.34 derives it from ``req_ids``)."""
+    from dataclasses import fields
+
+    if "req_id_to_index" not in {f.name for f in fields(ModelRunnerOutput)}:
+        return {}
+    return {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
+
+
 def token_value(tokens: list[int], position: int) -> float:
     """What the fake forward writes at ``position``: a function of every token up to it."""
     digest = hashlib.blake2b(repr(tokens[: position + 1]).encode(), digest_size=4).digest()
@@ -121,7 +131,7 @@ class Harness:
         self.worker.clear_connector_metadata()
         req_ids = list(sampled)
         mro = ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            req_ids=req_ids, **_index_of(req_ids),
             sampled_token_ids=[sampled[r] for r in req_ids],
             kv_connector_output=KVConnectorOutput(finished_recving=recv,
                                                   invalid_block_ids=invalid,
