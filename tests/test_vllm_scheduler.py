@@ -53,6 +53,31 @@ def test_miss_runs_normal_prefill(h):
     assert h.outputs["a"]["semkv"]["fallback_reason"] == "provider_miss"
 
 
+def test_a_request_vllm_reads_no_external_kv_for_gets_none(h):
+    """Prompt logprobs: vLLM asks the connector, then discards its hit (0.32 and 0.33:
+    ``Request.skip_reading_prefix_cache``; 0.34: ``skip_reading_external_kv``, a bounded
+    request). semkv answers 0 there itself, ``unsupported_request``, before any lookup or
+    lease: the request is computed whole, nothing loaded or held (``make test-cuda-build``
+    runs this on 0.33 and 0.34)."""
+    tokens = doc(3, 300)
+    _donor_then_forget(h, tokens)
+    h.add("scored", tokens, prompt_logprobs=1)
+    out = h.step()
+    assert out.num_scheduled_tokens["scored"] == 300
+    assert not out.kv_connector_metadata.loads
+    h.run()
+    summary = h.outputs["scored"]["semkv"]
+    assert summary["external_tokens"] == 0 and summary["provenance"] == "fallback_recompute"
+    # before: a hit decided (would_reuse_tokens 288, a lease taken), then vLLM's 0 made it
+    # exact_prefix_sufficient, on 0.32 as on 0.34
+    assert summary["fallback_reason"] == "unsupported_request", summary
+    assert not summary["would_reuse_tokens"], summary
+    _forget_local_prefix_cache(h)  # the same prompt without prompt logprobs: served
+    h.add("plain", tokens)
+    h.run()
+    assert h.outputs["plain"]["semkv"]["provenance"] == "exact_external_kv_hit"
+
+
 def test_sync_hit_schedules_only_the_rest_and_loads_exact_kv(h):
     tokens = doc(2, 300)  # 9 full blocks + 12 tokens
     _donor_then_forget(h, tokens)

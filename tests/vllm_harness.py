@@ -92,9 +92,10 @@ class Harness:
 
     def add(self, request_id: str, tokens: list[int], *, max_tokens: int = 3,
             cache_salt: str | None = None,
-            kv_transfer_params: dict[str, Any] | None = None) -> Request:
+            kv_transfer_params: dict[str, Any] | None = None, **sampling: Any) -> Request:
+        """``sampling``: more ``SamplingParams`` fields (e.g. ``prompt_logprobs``)."""
         extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra)
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra, **sampling)
         sp.update_from_generation_config({}, EOS)
         req = Request(request_id=request_id, prompt_token_ids=list(tokens), sampling_params=sp,
                       pooling_params=None, cache_salt=cache_salt,

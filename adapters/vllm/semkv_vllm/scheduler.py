@@ -82,6 +82,7 @@ from semkv_vllm.request_state import (
 from semkv_vllm.span_admission import ClassGate, CostGate, SpanAdmission, strategy_of
 from semkv_vllm.span_decision import SpanDecision
 from semkv_vllm.store_index import StoreIndex
+from semkv_vllm.vllm_compat import skips_external_kv
 from semkv_vllm.window_pins import WindowPins
 from semkv_vllm.worker_feedback import apply_worker_meta
 
@@ -258,7 +259,8 @@ class SchedulerSide:
                                             local_prefix_tokens=local)
         if self.support.exact is not None:  # counted per request, by the engine's reason
             return SemanticKVMatch.fallback(rid, self.support.exact.reason)
-        if not supported(st.request):
+        if not supported(st.request) or skips_external_kv(st.request):
+            # (vLLM would discard the hit: no lookup, no lease, the reason said)
             return SemanticKVMatch.fallback(rid, FallbackReason.UNSUPPORTED_REQUEST)
         if st.bad_options:  # the exact tier needs no option: served as to any request
             return self._keep_exact(st, local, SemanticKVMatch.fallback(
