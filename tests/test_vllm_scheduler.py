@@ -336,3 +336,41 @@ def test_store_budget_evicts_lru_but_never_leased():
     assert not out.kv_connector_metadata.loads  # first's blocks are no longer whole
     h.run()
     h.assert_no_leaks()
+
+
+def test_the_connector_says_which_requests_may_load_between_steps():
+    """vLLM 0.34's ``may_load_async`` (``--max-num-inflight-kv-loads`` lets such requests start
+    loading while the batch is full): yes where this engine loads between steps at all
+    (``async_load`` here), never for a request whose hit vLLM discards; no on an engine that
+    loads inside the step. 0.32 and 0.33 never ask; the answer is the same."""
+    tokens = doc(4, 100)
+    for extra, expected in ((EXACT, False), (dict(EXACT, async_load=True), True)):
+        h = make_harness(extra)
+        plain = h.add("plain", tokens)
+        scored = h.add("scored", tokens, prompt_logprobs=1)
+        assert h.scheduler.connector.may_load_async(plain) is expected, extra
+        assert h.scheduler.connector.may_load_async(scored) is False
+        h.run()
+        h.assert_no_leaks()
+
+
+def test_the_kv_cache_access_semkv_declares():
+    """vLLM 0.34 asks the connector class how its workers reach the KV cache (it decides
+    whether the extensible KV cache may be used): semkv's own store copies in process; LMCache's
+    server maps the cache through legacy CUDA IPC on a GPU. Before 0.34 there is no such flag
+    (None). The CUDA answer is the function's; this machine has no GPU."""
+    from types import SimpleNamespace
+
+    from semkv_vllm.connector import SemanticKVConnector
+    from semkv_vllm.vllm_compat import kv_cache_access
+
+    try:
+        from vllm.config.kv_transfer import KVCacheAccess
+    except ImportError:  # 0.32, 0.33
+        assert kv_cache_access("host", on_cuda=True) is None
+        return
+    host = SimpleNamespace(kv_connector_extra_config={"provider": "chunks"})
+    assert SemanticKVConnector.kv_cache_access(host) is KVCacheAccess.IN_PROCESS
+    assert kv_cache_access("host", on_cuda=True) is KVCacheAccess.IN_PROCESS
+    assert kv_cache_access("lmcache", on_cuda=False) is KVCacheAccess.IN_PROCESS
+    assert kv_cache_access("lmcache", on_cuda=True) is KVCacheAccess.LEGACY_IPC

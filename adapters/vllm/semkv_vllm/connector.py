@@ -70,6 +70,7 @@ from semkv_vllm.scheduler import SchedulerSide
 from semkv_vllm.sleep_mode import SleepModeUnsupported
 from semkv_vllm.span_admission import realize_budget
 from semkv_vllm.stats import SemkvConnectorStats, SemkvPromMetrics
+from semkv_vllm.vllm_compat import kv_cache_access, skips_external_kv
 from semkv_vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -151,6 +152,8 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
                                       transfer_timeout_s=self.config.transfer_timeout_s,
                                       groups=kv_groups(kv_cache_config))
         self._semantic = semantic
+        self._loads_async = (self.config.async_load or self._shared is not None
+                             or realizes_spans(self.config))
 
     def realized_spans_refusal(self) -> str | None:
         """Why this engine's requests get no realized span (None: they can). The workers' part
@@ -172,6 +175,21 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
 
         return FetchLookups(self._shared.scheduler_adapter,
                             timeout_s=self.config.transfer_timeout_s)
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34 asks at config time how the workers reach the KV cache
+        (``vllm_compat.kv_cache_access`` says what semkv answers, and why)."""
+        from vllm.platforms import current_platform
+
+        config = SemkvConfig.load(kv_transfer_config.kv_connector_extra_config or {})
+        return kv_cache_access(config.donor_store, on_cuda=current_platform.is_cuda())
+
+    def may_load_async(self, request: Request) -> bool:
+        """vLLM 0.34 (``--max-num-inflight-kv-loads``): may this request's hit load between
+        steps? Where the engine loads asynchronously at all (``async_load``, LMCache, realized
+        spans), unless vLLM discards the request's hit. Cheap: asked as requests queue."""
+        return self._loads_async and not skips_external_kv(request)
 
     @property
     def requires_kv_delivery(self) -> bool:

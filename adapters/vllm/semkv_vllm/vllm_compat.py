@@ -19,3 +19,21 @@ def skips_external_kv(request: Any) -> bool:
     if flag is None:
         flag = getattr(request, "skip_reading_prefix_cache", False)
     return bool(flag)
+
+
+def kv_cache_access(donor_store: str, *, on_cuda: bool) -> Any:
+    """vLLM 0.34's ``KVCacheAccess`` flags for semkv's workers (None before 0.34: no such hook).
+
+    semkv's own store (``donor_store: host``) reads and writes the KV cache with torch copies in
+    the worker process: ``IN_PROCESS``, any allocation works. With ``donor_store: lmcache`` the
+    LMCache server reads and writes it from its own process: on a GPU through legacy CUDA IPC
+    handles (LMCache 0.5.6's default, unless its ``use_vmm_api``), so ``LEGACY_IPC`` (vLLM then
+    keeps its extensible KV cache off); on a CPU engine LMCache's worker side copies in process.
+    """
+    try:
+        from vllm.config.kv_transfer import KVCacheAccess
+    except ImportError:
+        return None
+    if donor_store == "lmcache" and on_cuda:
+        return KVCacheAccess.LEGACY_IPC
+    return KVCacheAccess.IN_PROCESS
