@@ -374,3 +374,24 @@ def test_the_kv_cache_access_semkv_declares():
     assert kv_cache_access("host", on_cuda=True) is KVCacheAccess.IN_PROCESS
     assert kv_cache_access("lmcache", on_cuda=False) is KVCacheAccess.IN_PROCESS
     assert kv_cache_access("lmcache", on_cuda=True) is KVCacheAccess.LEGACY_IPC
+
+
+def test_lookahead_block_hashes_stay_vllms_default_while_speculating_engines_get_no_reuse():
+    """vLLM 0.34 turns lookahead block hashing off for an EAGLE-family drafter unless the
+    connector supports it (every prefix hit then drops its last block). semkv answers yes: it
+    serves no request of an engine that speculates, every tier refused by name, so vLLM's own
+    prefix cache keeps its default (issue #70 revisits it when semkv serves such engines)."""
+    import copy
+
+    from semkv_vllm.connector import SemanticKVConnector
+    from semkv_vllm.engine_support import engine_support
+
+    from semkv.config import SemkvConfig
+
+    assert SemanticKVConnector.supports_lookahead_block_hashes(object()) is True
+    h = make_harness(EXACT)
+    config = copy.copy(h.scheduler.vllm_config)
+    object.__setattr__(config, "speculative_config", object())  # any speculator
+    support = engine_support(SemkvConfig.load(EXACT), config, h.scheduler.kv_cache_config)
+    for limit in (support.exact, support.non_exact, support.realize):
+        assert limit is not None and limit.why == "speculative decoding", limit

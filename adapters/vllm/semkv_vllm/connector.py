@@ -185,6 +185,20 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
         config = SemkvConfig.load(kv_transfer_config.kv_connector_extra_config or {})
         return kv_cache_access(config.donor_store, on_cuda=current_platform.is_cuda())
 
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.34: may vLLM hash blocks with an EAGLE-family drafter's lookahead tokens?
+        Yes, vLLM's default for its own prefix cache: a False answer turns lookahead hashing
+        off for the whole engine (every prefix hit then drops its last block). semkv serves no
+        request of an engine that speculates (``engine_support``: speculative decoding), so
+        nothing it loads depends on those hashes.
+
+        NOTE: serving such engines (issue #70) must revisit this: the drafter's KV at a
+        block's last position reads lookahead tokens, so a block semkv loads is only a
+        lookahead-hashed block if that KV comes with it."""
+        del kv_transfer_config  # the answer holds for every semkv configuration
+        return True
+
     def may_load_async(self, request: Request) -> bool:
         """vLLM 0.34 (``--max-num-inflight-kv-loads``): may this request's hit load between
         steps? Where the engine loads asynchronously at all (``async_load``, LMCache, realized
