@@ -31,7 +31,7 @@ fetch() {  # fetch VERSION CACHE: the wheel's source into CACHE/site, once
   local version=$1 cache=$2 start wheel
   start=$(date +%s)
   mkdir -p "$cache"
-  tmp=$(mktemp -d "$cache/.fetch.XXXXXX")  # global: the EXIT trap removes what is left
+  tmp=$(mktemp -d "$cache/.fetch.XXXXXX")  # global: the EXIT trap removes it on a failure
   trap 'rm -rf "$tmp"' EXIT
   echo "[cuda-build] downloading the vllm $version wheel (CUDA build, ~340 MB) into $cache" >&2
   PYTHONWARNINGS=ignore "$PY" -m pip download -q --no-deps --only-binary=:all: \
@@ -43,6 +43,7 @@ fetch() {  # fetch VERSION CACHE: the wheel's source into CACHE/site, once
     echo "fetched: $(date -u +%FT%TZ) in $(( $(date +%s) - start )) s"; } > "$tmp/site/.semkv-fetched"
   rm -rf "$cache/site"
   mv "$tmp/site" "$cache/site"
+  rm -rf "$tmp"  # the wheel, now: a second version's fetch replaces the EXIT trap
   echo "[cuda-build] $(tr '\n' ' ' < "$cache/site/.semkv-fetched")" >&2
 }
 

@@ -40,8 +40,11 @@ def main(url: str) -> None:
     tokens = list(range(1, 257))
 
     def ask(request_id: str):  # what LMCacheMPConnector.get_num_new_matched_tokens does
-        return lambda: (adapter.maybe_submit_lookup_request(request_id, tokens),
-                        adapter.check_lookup_result(request_id))[1]
+        def asked() -> int | None:
+            adapter.maybe_submit_lookup_request(request_id, tokens)
+            return adapter.check_lookup_result(request_id)
+
+        return asked
 
     def until_answered(request_id: str, lookups: LMCacheLookups | None,
                        seconds: float) -> dict[str, object]:

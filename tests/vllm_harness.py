@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -41,14 +41,13 @@ EOS = 2
 _hash_ready = False
 
 
-def _index_of(req_ids: list[str]) -> dict[str, Any]:
-    """``ModelRunnerOutput``'s request index where the vLLM has the field (0.32, 0.33:
-    ``req_id_to_index``; 0.34 derives it from ``req_ids``)."""
-    from dataclasses import fields
+# 0.32 and 0.33 take ModelRunnerOutput's request index; 0.34 derives it from req_ids
+_TAKES_INDEX = "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}
 
-    if "req_id_to_index" not in {f.name for f in fields(ModelRunnerOutput)}:
-        return {}
-    return {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
+
+def _index_of(req_ids: list[str]) -> dict[str, Any]:
+    """``ModelRunnerOutput``'s request index where the vLLM has the field."""
+    return {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}} if _TAKES_INDEX else {}
 
 
 def token_value(tokens: list[int], position: int) -> float:
