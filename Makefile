@@ -10,7 +10,7 @@ TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: env test test-fast test-cuda-build demo bench lint docs clean
+.PHONY: env test test-fast test-cuda-build test-gpu demo bench lint docs clean
 
 env:
 	@bash scripts/system_packages.sh
@@ -28,6 +28,13 @@ test-fast: env
 # .venv (docs/cuda-build.md).
 test-cuda-build: env
 	VENV=$(VENV) bash scripts/cuda_build_check.sh
+
+# On a GPU machine with the CUDA build of vLLM (pip install "semkv-vllm[gpu]"): semkv's device
+# paths in one command (scripts/gpu_check.py; exits 2 where there is no GPU). GPU_PY: that
+# environment's Python; the suite runs the same steps on CPU (tests/test_gpu_check.py).
+GPU_PY ?= $(PY)
+test-gpu:
+	$(GPU_PY) scripts/gpu_check.py $(GPU_ARGS)
 
 demo: env
 	$(PY) examples/demo.py $(DEMO_ARGS)

@@ -106,3 +106,54 @@ def test_async_request_only_load_commits_nothing():
         s = h.outputs[rid]["semkv"]
         assert s["provenance"] == "request_only_semantic_reuse" and s["local_prefix_tokens"] == 0
     h.assert_no_leaks()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_the_policy_scheduler_is_the_one_vllm_would_choose(async_scheduling: bool):
+    """``--scheduler-cls ...CommitPolicyScheduler`` keeps vLLM's own choice: an
+    ``AsyncScheduler`` when async scheduling is on (vLLM's default on a GPU), the synchronous
+    ``Scheduler`` when it is off; the policy is in force under both."""
+    from semkv_vllm.commit_policy import CommitPolicyMixin
+    from semkv_vllm.engine_setup import request_only_possible
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    h = make_harness(SEMANTIC, scheduler_cls=CommitPolicyScheduler,
+                     async_scheduling=async_scheduling)
+    assert isinstance(h.scheduler, CommitPolicyMixin)
+    assert isinstance(h.scheduler, AsyncScheduler) is async_scheduling
+    assert h.scheduler.connector.commit_policy_enforced
+    assert request_only_possible(h.scheduler.vllm_config)
+
+
+def _pipelined(seed: int, *, async_scheduling: bool):
+    """A request-only target and an exact rerun of the donor, run as the engine core runs
+    them (async: the next step scheduled before the last one's output is applied)."""
+    h = make_harness(SEMANTIC, scheduler_cls=CommitPolicyScheduler,
+                     async_scheduling=async_scheduling)
+    donor = doc(seed + 1, 64) + doc(seed, 320)
+    _serve_donor(h, donor)
+    target = doc(seed, 320) + doc(seed + 2, 40)
+    h.add("t", target, max_tokens=40)
+    h.add("exact", donor, max_tokens=40)
+    (h.run_pipelined if async_scheduling else h.run)()
+    return h, target, donor
+
+
+def test_async_scheduling_commits_no_request_only_block_and_answers_as_sync():
+    """Under AsyncScheduler (which also commits after every step's output) a request-only
+    request's blocks, prompt and 40 decoded tokens, never become prefix-cache state, while an
+    exact hit in the same steps is committed; tokens and what reuse did equal the synchronous
+    scheduler's."""
+    runs = {mode: _pipelined(41, async_scheduling=mode) for mode in (True, False)}
+    h, target, donor = runs[True]
+    assert _local_hit(h, "probe", target) == 0
+    # vLLM never hits a prompt's last token: its last full block before it
+    assert _local_hit(h, "probe-exact", donor) == (len(donor) - 1) // BLOCK * BLOCK
+    summary = h.outputs["t"]["semkv"]
+    assert summary["provenance"] == "request_only_semantic_reuse", summary
+    assert h.outputs["exact"]["semkv"]["provenance"] == "exact_external_kv_hit"
+    sync = runs[False][0]
+    assert h.tokens == sync.tokens and len(h.tokens["t"]) == 40
+    for rid in ("t", "exact"):
+        assert h.outputs[rid]["semkv"] == sync.outputs[rid]["semkv"], rid
+    h.assert_no_leaks()

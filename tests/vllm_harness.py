@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -57,9 +58,13 @@ def token_value(tokens: list[int], position: int) -> float:
 
 
 def make_vllm_config(extra: dict[str, Any], *, num_batched: int = 4096,
-                     policy: str = "recompute", scheduler_cls: type | None = None) -> VllmConfig:
+                     policy: str = "recompute", scheduler_cls: type | None = None,
+                     async_scheduling: bool = False) -> VllmConfig:
+    """``async_scheduling``: vLLM's CPU platform turns async scheduling off whatever is asked
+    (``CpuPlatform.check_and_update_config``); set after it, as a GPU engine has it by default,
+    so that ``scheduler_cls`` resolves as vLLM resolves it there (a stand-in, named so)."""
     model = ModelConfig(model=str(ensure_model()), dtype="float32", seed=0, max_model_len=4096)
-    return VllmConfig(
+    config = VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(
             max_num_seqs=16, max_num_batched_tokens=num_batched, max_model_len=4096,
@@ -74,6 +79,8 @@ def make_vllm_config(extra: dict[str, Any], *, num_batched: int = 4096,
             kv_connector_extra_config={"summary_to_client": True, **extra}),
         device_config=DeviceConfig("cpu"),
     )
+    config.scheduler_config.async_scheduling = async_scheduling
+    return config
 
 
 @dataclass
@@ -82,6 +89,7 @@ class Harness:
     worker: Any
     kv: torch.Tensor
     outputs: dict[str, Any] = field(default_factory=dict)  # request id -> kv_transfer_params
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # request id -> its output
     finished: set[str] = field(default_factory=set)
     corrupt_next_load: bool = False
 
@@ -104,6 +112,13 @@ class Harness:
 
     def step(self) -> Any:
         out = self.scheduler.schedule()
+        self._apply(out, self._forward(out))
+        return out
+
+    def _forward(self, out: Any) -> ModelRunnerOutput:
+        """The worker's part of one step: the connector's hooks around a fake forward that
+        writes each scheduled position's value into its slot; one token sampled per request
+        whose prompt is complete."""
         meta = out.kv_connector_metadata
         self.worker.handle_preemptions(meta)  # vLLM's order: first, before any KV is touched
         self.worker.bind_connector_metadata(meta)
@@ -122,28 +137,49 @@ class Harness:
             for pos in range(start, start + n):
                 b, off = blocks[pos // BLOCK], pos % BLOCK
                 self.kv[b, :, off, :] = token_value(tokens, pos)
-            done = start + n >= req.num_tokens
-            sampled[rid] = [7] if done else []
+            sampled[rid] = [] if req.is_prefill_chunk else [7]  # set by schedule()
         self.worker.wait_for_save()
         recv = self.worker.get_finished(set())[1]
         invalid = self.worker.get_block_ids_with_load_errors()
         wmeta = self.worker.build_connector_worker_meta()
         self.worker.clear_connector_metadata()
         req_ids = list(sampled)
-        mro = ModelRunnerOutput(
+        return ModelRunnerOutput(
             req_ids=req_ids, **_index_of(req_ids),
             sampled_token_ids=[sampled[r] for r in req_ids],
             kv_connector_output=KVConnectorOutput(finished_recving=recv,
                                                   invalid_block_ids=invalid,
                                                   kv_connector_worker_meta=wmeta),
         )
+
+    def _apply(self, out: Any, mro: ModelRunnerOutput) -> None:
         engine_outputs = self.scheduler.update_from_output(out, mro)
         for eco in engine_outputs.values():
             for o in eco.outputs:
                 if o.finished:
                     self.finished.add(o.request_id)
                     self.outputs[o.request_id] = o.kv_transfer_params
-        return out
+                self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+    def run_pipelined(self, max_steps: int = 400) -> None:
+        """Steps as vLLM's engine core runs them under async scheduling
+        (``EngineCore.step_with_batch_queue``, a queue of two): the next batch is scheduled
+        (and its forward issued) before the previous batch's output is applied."""
+        queue: deque[tuple[Any, ModelRunnerOutput]] = deque()
+        for _ in range(max_steps):
+            if not (self.scheduler.has_requests() or queue):
+                return
+            if self.scheduler.has_requests():
+                out = self.scheduler.schedule()
+                queue.appendleft((out, self._forward(out)))
+                if not out.total_num_scheduled_tokens:
+                    time.sleep(0.005)  # a deferred request (lookup pending): let its thread run
+                if len(queue) < 2 and (out.total_num_scheduled_tokens > 0
+                                       or self.scheduler.has_requests()):
+                    continue
+            if queue:
+                self._apply(*queue.pop())
+        raise AssertionError("requests did not finish")
 
     def run(self, max_steps: int = 200, max_seconds: float = 60.0) -> None:
         deadline = time.monotonic() + max_seconds
@@ -174,7 +210,8 @@ class Harness:
 
 
 def make_harness(extra: dict[str, Any], *, num_blocks: int = 400, num_batched: int = 4096,
-                 policy: str = "recompute", scheduler_cls: type[Scheduler] = Scheduler) -> Harness:
+                 policy: str = "recompute", scheduler_cls: type[Scheduler] = Scheduler,
+                 async_scheduling: bool = False) -> Harness:
     global _hash_ready
     if not _hash_ready:
         init_none_hash(sha256)
@@ -182,7 +219,7 @@ def make_harness(extra: dict[str, Any], *, num_blocks: int = 400, num_batched: i
     from semkv_vllm.connector import SemanticKVConnector
 
     config = make_vllm_config(extra, num_batched=num_batched, policy=policy,
-                              scheduler_cls=scheduler_cls)
+                              scheduler_cls=scheduler_cls, async_scheduling=async_scheduling)
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layer.0"], FullAttentionSpec(

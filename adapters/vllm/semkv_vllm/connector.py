@@ -59,6 +59,7 @@ from semkv_vllm.engine_setup import (
     forward_context,
     probe_layout,
     realizes_spans,
+    store_capacity,
     store_geometry,
 )
 from semkv_vllm.engine_support import engine_support, kv_groups
@@ -144,7 +145,9 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
                     Breaker(self.config.lmcache_retry_s), self._scheduler.stats)
             log.info("semkv_connector_ready", mode=str(self.config.semantic_mode),
                      provider=self.config.provider, slots=slots, bytes_per_slot=per_slot,
-                     block_size=block_size)
+                     block_size=block_size, **store_capacity(
+                         self.config, slots, per_slot, block_size,
+                         vllm_config.model_config.max_model_len))
         else:
             check_store_fits_host(self.config)
             self._worker = WorkerSide(slots, layerwise=self.config.layerwise_load, rope=rope,

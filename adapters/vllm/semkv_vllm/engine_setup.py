@@ -41,6 +41,20 @@ def store_geometry(config: SemkvConfig, kv_cache_config: KVCacheConfig) -> tuple
     return max(slots, 1), per_slot
 
 
+def store_capacity(config: SemkvConfig, slots: int, per_slot: int, block_size: int,
+                   max_model_len: int) -> dict[str, int]:
+    """The start-up line's sizing fields: how many tokens of this model the host store holds
+    (``donor_store_bytes`` over one block of every layer); a warning when that is less than
+    one prompt of ``max_model_len`` (its donors would evict one another before reuse)."""
+    tokens = slots * block_size
+    if config.semantic_mode.materializes and config.donor_store == "host" and (
+            tokens < max_model_len):
+        log.warning("donor_store_small", store_tokens=tokens, max_model_len=max_model_len,
+                    why="donor_store_bytes holds fewer tokens than one prompt of max_model_len",
+                    fix=f"donor_store_bytes >= {max_model_len * per_slot // block_size} bytes")
+    return {"store_tokens": tokens, "bytes_per_token": per_slot // max(block_size, 1)}
+
+
 def host_memory_available() -> tuple[int, str]:
     """Bytes this process can still take, and how that was read (for the error message).
 
@@ -140,13 +154,13 @@ def request_only_possible(vllm_config: VllmConfig) -> bool:
     """Can REQUEST_ONLY be enforced: prefix caching off, or the commit-policy scheduler on."""
     if not vllm_config.cache_config.enable_prefix_caching:
         return True
-    from semkv_vllm.commit_policy import CommitPolicyScheduler
+    from semkv_vllm.commit_policy import CommitPolicyMixin
 
     try:
         cls = vllm_config.scheduler_config.get_scheduler_cls()
     except Exception:  # noqa: BLE001 - an unresolvable class is vLLM's error to raise
         return False
-    return isinstance(cls, type) and issubclass(cls, CommitPolicyScheduler)
+    return isinstance(cls, type) and issubclass(cls, CommitPolicyMixin)
 
 
 def check_semantic_setup(config: SemkvConfig, vllm_config: VllmConfig) -> None:
