@@ -347,7 +347,8 @@ def test_the_worker_times_the_forward_less_its_own_loads_and_skips_the_first() -
     assert worker.take_worker_meta() is None
 
 
-def test_the_calibration_goes_out_once_with_the_first_report_and_feeds_the_gate() -> None:
+def test_the_calibration_goes_out_once_with_the_first_report_and_feeds_the_gate(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     _vllm()
     from semkv_vllm.cost_gate import EngineCost
     from semkv_vllm.metadata import SemkvWorkerMetadata
@@ -356,7 +357,11 @@ def test_the_calibration_goes_out_once_with_the_first_report_and_feeds_the_gate(
 
     samples = [(RealizeWork(256, 256.0, 32896.0), 0.6), (RealizeWork(992, 64.0, 32768.0), 0.3)]
     realizer = SimpleNamespace(runner=SimpleNamespace(num_layers=30),
-                               layout=SimpleNamespace(block_size=BS), calibrate=lambda: samples)
+                               layout=SimpleNamespace(block_size=BS))
+    # stand-ins: the worker calibrates a real SpanRealizer (realize_calibration.calibrate,
+    # tests/test_realize_calibration.py); here what it measured is given
+    monkeypatch.setattr("semkv_vllm.worker.SpanRealizer", SimpleNamespace)
+    monkeypatch.setattr("semkv_vllm.worker.calibrate", lambda r: samples if r is realizer else [])
     worker = WorkerSide(num_slots=4)
     worker.realizer = realizer  # type: ignore[assignment]
     worker.report_realize = True

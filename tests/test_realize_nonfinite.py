@@ -79,8 +79,8 @@ def test_a_nonfinite_realization_is_reported_invalid_never_written(
     worker.spans.start(op)
     worker.spans.advance(set(), idle=True)
     assert realizer.written == []
-    assert worker._invalid_blocks == set(op.block_ids)
-    assert "r1" in worker._failed and "r1" in worker._finished_recving
+    assert worker.reports.invalid_blocks == set(op.block_ids)
+    assert "r1" in worker.reports.failed and "r1" in worker.reports.finished_recving
     counts: Any = worker.stats.counters
     assert counts["realize_nonfinite"] == 1 and counts["materialize_failed"] == 1
     assert len(worker.spans) == 0
@@ -92,8 +92,8 @@ def test_a_nonfinite_value_outside_the_span_is_not_the_realizations() -> None:
     worker, realizer = _worker(_realized(op, float("nan"), (0, 0, LOCAL - 1)))
     worker.spans.start(op)
     worker.spans.advance(set(), idle=True)
-    assert len(realizer.written) == 1 and worker._invalid_blocks == set()
-    assert "r1" in worker._finished_recving and "r1" not in worker._failed
+    assert len(realizer.written) == 1 and worker.reports.invalid_blocks == set()
+    assert "r1" in worker.reports.finished_recving and "r1" not in worker.reports.failed
 
 
 def test_a_finite_realization_is_written_and_received() -> None:
@@ -102,5 +102,6 @@ def test_a_finite_realization_is_written_and_received() -> None:
     worker.spans.start(op)
     worker.spans.advance(set(), idle=True)
     assert [r.op.request_id for r in realizer.written] == ["r1"]
-    assert worker._loaded["r1"] == len(op.block_ids) and worker._invalid_blocks == set()
+    assert worker.reports.loaded["r1"] == len(op.block_ids)
+    assert worker.reports.invalid_blocks == set()
     assert worker.stats.counters.get("realize_nonfinite", 0) == 0

@@ -27,8 +27,9 @@ Protocol (driven by ``WorkerSide``):
   writes into the request's blocks and reports received, or reports invalid when they failed
   (vLLM recomputes them under ``kv_load_failure_policy: recompute``).
 - ``cancel(request_id)``: drops the request's job unfinished (an aborted request).
-- ``calibrate()`` once, when the worker is handed the realizer (start-up): synthetic spans run
-  to their end and timed (``realize_calibration.py``): the cost gate's first realization rates.
+- ``run_now(op)``: one op realized and written at once; the worker's start-up calibration
+  (``realize_calibration.calibrate``, called when the worker is handed the realizer) times
+  synthetic spans through it: the cost gate's first realization rates.
 
 NOTE: nothing runs beside vLLM's forward. A background thread did first, and failed twice: (1)
 the engine's loop is Python and holds the GIL between its torch calls, so the thread waited up
@@ -62,7 +63,6 @@ from typing import Any
 import torch
 
 from semkv.config import ConfigError, SemkvConfig, check_probe_layers
-from semkv.cost import RealizeWork
 from semkv.log import MAX_STRING, get_logger
 from semkv.realize import KVCache
 from semkv.realize.memory import Budget, Geometry, over_budget, working_set
@@ -250,12 +250,6 @@ class SpanRealizer:
 
     def shutdown(self) -> None:
         self._jobs.clear()  # the engine is going away: nothing will read these blocks
-
-    def calibrate(self) -> list[tuple[RealizeWork, float]]:
-        """The runner timed on synthetic spans at start-up (``realize_calibration.py``)."""
-        from semkv_vllm.realize_calibration import calibrate
-
-        return calibrate(self)
 
     def run_now(self, op: RealizeOp) -> bool:
         """Realize ``op`` to its end and write it, at once (the start-up calibration); False,

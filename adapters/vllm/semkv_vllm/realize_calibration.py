@@ -1,4 +1,4 @@
-"""The cost gate's start-up measurement of the worker's realization (``SpanRealizer.calibrate``).
+"""The cost gate's start-up measurement of the worker's realization (``calibrate(realizer)``).
 
 When the worker is handed its realizer (``register_kv_caches``, before any request), it runs
 ``CALIBRATION``'s synthetic spans to their end through the very code a realization runs

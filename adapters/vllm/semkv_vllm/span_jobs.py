@@ -25,23 +25,40 @@ expired ones are not (their time says nothing about the rates).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 from semkv.log import get_logger
+from semkv.metrics import CounterBag
 from semkv_vllm.cost_gate import op_work
 from semkv_vllm.metadata import RealizeOp
-from semkv_vllm.realization import Realized
-
-if TYPE_CHECKING:
-    from semkv_vllm.worker import WorkerSide
+from semkv_vllm.realization import Realized, SpanRealizer
+from semkv_vllm.step_timing import Timings
+from semkv_vllm.worker_state import SlotGenerations, WorkerReports
 
 log = get_logger("semkv.vllm.worker")
 
 
 class SpanJobs:
-    def __init__(self, worker: WorkerSide, timeout_s: float) -> None:
-        self.worker = worker
+    """Handed what it needs by ``WorkerSide``: the report sets it fills, the slots' generations
+    it checks (and marks, for fetched donors), the worker's counters and step timings, and two
+    of the worker's own actions (``drain_saves`` before a written span is checked; ``floor``,
+    the ``kv_floor`` option over a span's blocks in every layer). ``realizer``, its ``shape``
+    (layers, block size) and ``fetcher`` are set by the worker once known (start-up)."""
+
+    def __init__(self, reports: WorkerReports, slots: SlotGenerations, stats: CounterBag,
+                 timings: Timings, timeout_s: float, *, drain_saves: Callable[[], None],
+                 floor: Callable[[RealizeOp], None]) -> None:
+        self.reports = reports
+        self.slots = slots
+        self.stats = stats
+        self.timings = timings
         self.timeout_s = timeout_s
+        self._drain_saves = drain_saves
+        self._floor = floor
+        self.realizer: SpanRealizer | None = None
+        self.shape: tuple[int, int] | None = None
+        self.fetcher: Any = None  # lmcache_fetch.HostFetcher (donor_store: lmcache)
         self._awaiting: dict[str, tuple[RealizeOp, set[str]]] = {}  # rid -> op, fetches left
         self._open: dict[str, tuple[RealizeOp, float]] = {}  # rid -> op, its deadline
 
@@ -50,8 +67,7 @@ class SpanJobs:
         return len(self._open)
 
     def _stale(self, op: RealizeOp) -> bool:
-        w = self.worker
-        return not all(w._current(c.slots, c.generations) for c in op.copies)
+        return not all(self.slots.current(c.slots, c.generations) for c in op.copies)
 
     # -- from the op's arrival to its job --------------------------------------------------
     def start(self, op: RealizeOp) -> None:
@@ -59,7 +75,7 @@ class SpanJobs:
         if not op.fetches:
             self._submit(op)
             return
-        fetcher = self.worker.fetcher
+        fetcher = self.fetcher
         if fetcher is None:
             self.fail(op, "fetch_unavailable")
             return
@@ -73,11 +89,11 @@ class SpanJobs:
 
     def _advance_fetches(self, idle: bool) -> None:
         """Mark landed fetches' slots current; submit the realizations they complete."""
-        w = self.worker
-        if w.fetcher is None or not (self._awaiting or w.fetcher.busy):
+        fetcher = self.fetcher
+        if fetcher is None or not (self._awaiting or fetcher.busy):
             return
         try:
-            done, errors = w.fetcher.poll(wait=idle and bool(self._awaiting))
+            done, errors = fetcher.poll(wait=idle and bool(self._awaiting))
         except Exception as exc:  # noqa: BLE001 - the shared store failed: recompute them all
             for op, _ in list(self._awaiting.values()):
                 self.fail(op, type(exc).__name__)
@@ -85,9 +101,9 @@ class SpanJobs:
             return
         for fetch in done:
             ok = not errors.intersection(fetch.slots)
-            for slot, generation in zip(fetch.slots, fetch.generations, strict=True):
-                w.slot_generation[slot] = generation if ok else -1
-            w.stats.inc("fetched_blocks", "landed" if ok else "failed", amount=len(fetch.slots))
+            self.slots.mark(fetch.slots, fetch.generations, ok=ok)
+            self.stats.inc("fetched_blocks", "landed" if ok else "failed",
+                           amount=len(fetch.slots))
         landed = {f.fetch_id for f in done}
         for rid, (op, left) in list(self._awaiting.items()):
             left -= landed
@@ -96,19 +112,18 @@ class SpanJobs:
                 self._submit(op)  # a failed fetch leaves its copies stale
 
     def _submit(self, op: RealizeOp) -> None:
-        w = self.worker
         stale = self._stale(op)
-        if w.realizer is None or stale:
+        if self.realizer is None or stale:
             self.fail(op, "stale_slot" if stale else "realization_unavailable")
             return
-        w.realizer.submit(op)
+        self.realizer.submit(op)
 
     # -- every step ------------------------------------------------------------------------
     def advance(self, finished: set[str], *, idle: bool, wait: bool = False) -> None:
         """Cancel the aborted, advance fetches and jobs, expire what is past its deadline."""
         self._cancel(finished)
         self._advance_fetches(idle)
-        realizer = self.worker.realizer
+        realizer = self.realizer
         if realizer is not None:
             for done in realizer.advance(idle=idle, finish=wait):
                 self._finish(done)
@@ -118,10 +133,10 @@ class SpanJobs:
         for rid in finished & self._open.keys():
             op, _ = self._open.pop(rid)
             self._awaiting.pop(rid, None)
-            if self.worker.realizer is not None:
-                self.worker.realizer.cancel(rid)
-            self.worker.stats.inc("transfers_cancelled")
-            self.worker._finished_recving.add(rid)  # nothing written; vLLM frees its blocks
+            if self.realizer is not None:
+                self.realizer.cancel(rid)
+            self.stats.inc("transfers_cancelled")
+            self.reports.finished_recving.add(rid)  # nothing written; vLLM frees its blocks
             log.info("realize_cancelled", request_id=rid, blocks=len(op.block_ids))
 
     def _expire(self) -> None:
@@ -130,15 +145,15 @@ class SpanJobs:
             if now < deadline:
                 continue
             self._awaiting.pop(rid, None)
-            if self.worker.realizer is not None:
-                self.worker.realizer.cancel(rid)
-            self.worker.stats.inc("transfer_timeouts")
+            if self.realizer is not None:
+                self.realizer.cancel(rid)
+            self.stats.inc("transfer_timeouts")
             self.fail(op, "deadline")
 
     # -- the end of one op -----------------------------------------------------------------
     def _finish(self, done: Realized) -> None:
-        w, op = self.worker, done.op
-        w.stats.observe("realize_seconds", done.seconds)
+        op = done.op
+        self.stats.observe("realize_seconds", done.seconds)
         if op.request_id not in self._open:
             return  # cancelled or expired meanwhile: already reported
         if done.error is not None:
@@ -147,45 +162,46 @@ class SpanJobs:
         # NOTE: slots are pinned for the realization, but an engine reset unpins everything and
         # later saves may have rewritten a slot while it was read: then the KV is not the donor's.
         if op.copies:
-            w.drain_saves()
+            self._drain_saves()
             if self._stale(op):
                 self.fail(op, "slot_rewritten")
                 return
-        assert w.realizer is not None
-        if not w.realizer.finite(done):
-            w.stats.inc("realize_nonfinite")
+        realizer = self.realizer
+        assert realizer is not None
+        if not realizer.finite(done):
+            self.stats.inc("realize_nonfinite")
             self.fail(op, "nonfinite_kv")
             return
         try:
-            start = w.timings.clock.mark()
-            w.realizer.write(done)
-            for name, kv in w.kv_caches.items():
-                w._floor(op.kv_floor, kv, op.span_blocks(w.group_of.get(name, 0)))
-            spans = [*done.spans, (start, w.timings.clock.mark())]
+            start = self.timings.clock.mark()
+            realizer.write(done)
+            self._floor(op)
+            spans = [*done.spans, (start, self.timings.clock.mark())]
         except Exception as exc:  # noqa: BLE001
             self.fail(op, type(exc).__name__)
             return
-        if w.shape is not None and op.kv_floor is None:  # rounding is not realization work
-            layers, block = w.shape
-            w.timings.realized(op_work(op, done.recomputed, layers=layers, block_size=block),
-                               spans)
+        if self.shape is not None and op.kv_floor is None:  # rounding is not realization work
+            layers, block = self.shape
+            self.timings.realized(op_work(op, done.recomputed, layers=layers, block_size=block),
+                                  spans)
         del self._open[op.request_id]
-        w._loaded[op.request_id] = len(op.block_ids)
-        w._recomputed[op.request_id] = len(done.recomputed)
-        w.stats.inc("loaded_blocks", amount=len(op.block_ids))
-        w._finished_recving.add(op.request_id)
+        r = self.reports
+        r.loaded[op.request_id] = len(op.block_ids)
+        r.recomputed[op.request_id] = len(done.recomputed)
+        self.stats.inc("loaded_blocks", amount=len(op.block_ids))
+        r.finished_recving.add(op.request_id)
 
     def fail(self, op: RealizeOp, why: str) -> None:
-        w = self.worker
+        r = self.reports
         self._open.pop(op.request_id, None)
         if op.groups is None:
-            w._invalid_blocks.update(op.block_ids)
+            r.invalid_blocks.update(op.block_ids)
         else:  # a window group's dropped blocks, or several groups: per request (RealizeOp)
-            w._failed_recving.add(op.request_id)
-        w._failed.add(op.request_id)
-        w._loaded.pop(op.request_id, None)
-        w.stats.inc("materialize_failed")
-        w.stats.inc("invalid_blocks", amount=len(op.block_ids))
-        w._finished_recving.add(op.request_id)
+            r.failed_recving.add(op.request_id)
+        r.failed.add(op.request_id)
+        r.loaded.pop(op.request_id, None)
+        self.stats.inc("materialize_failed")
+        self.stats.inc("invalid_blocks", amount=len(op.block_ids))
+        r.finished_recving.add(op.request_id)
         log.warning("realize_failed", request_id=op.request_id, blocks=len(op.block_ids),
                     why=why)

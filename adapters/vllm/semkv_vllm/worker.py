@@ -30,7 +30,7 @@ NOTE: the cost gate's samples (``cost_gate.py``): the forward of every step whos
 carries its work is timed between ``bind`` and ``wait_for_save``, less semkv's own
 ``start_load_kv`` (``step_timing.py``); every realization that ends well is timed (its busy
 chunks and its write); the realization runner is timed on synthetic spans once, when the
-connector hands it over (``SpanRealizer.calibrate``). All reported with the next step.
+connector hands it over (``realize_calibration.calibrate``). All reported with the next step.
 NOTE: with ``async_save`` the copy runs on one background thread, off the step's critical path
 (the first token is sampled and sent while it runs). It reads blocks that are complete and
 still owned by their request, which nothing rewrites until vLLM frees and reallocates them; a
@@ -52,13 +52,22 @@ from semkv.cost import RealizeWork
 from semkv.log import get_logger
 from semkv.metrics import CounterBag
 from semkv_vllm.block_copy import allocate_store, copy_blocks
-from semkv_vllm.metadata import NO_BLOCK, LoadOp, SaveOp, SemkvMetadata, SemkvWorkerMetadata
+from semkv_vllm.metadata import (
+    NO_BLOCK,
+    LoadOp,
+    RealizeOp,
+    SaveOp,
+    SemkvMetadata,
+    SemkvWorkerMetadata,
+)
 from semkv_vllm.options import round_blocks_fp8
 from semkv_vllm.page_layout import PageLayout
 from semkv_vllm.realization import SpanRealizer
+from semkv_vllm.realize_calibration import calibrate
 from semkv_vllm.rope import RopeShift
 from semkv_vllm.span_jobs import SpanJobs
 from semkv_vllm.step_timing import Clock, Timings
+from semkv_vllm.worker_state import SlotGenerations, WorkerReports
 
 log = get_logger("semkv.vllm.worker")
 
@@ -87,16 +96,11 @@ class WorkerSide:
         self._maps: dict[int, tuple[LoadOp, torch.Tensor, torch.Tensor]] = {}
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.store: dict[str, torch.Tensor] = {}
-        self.slot_generation = [0] * num_slots
+        self.slots = SlotGenerations(num_slots)
         self.stats = CounterBag()
         self._meta: SemkvMetadata | None = None
         self._pending_layers: dict[str, list[LoadOp]] = {}
-        self._finished_recving: set[str] = set()
-        self._invalid_blocks: set[int] = set()
-        self._loaded: dict[str, int] = {}
-        self._recomputed: dict[str, int] = {}  # realized requests: copied tokens recomputed
-        self._failed: set[str] = set()
-        self._failed_recving: set[str] = set()  # several KV-cache groups: failed per request
+        self.reports = WorkerReports()  # loads' and realized spans' results, until reported
         self._failed_counted: set[str] = set()  # one materialize_failed per request and step
         self.report_layout = False  # set when token-level loads are configured
         self.timings = Timings()  # the cost gate's samples, until reported
@@ -105,10 +109,28 @@ class WorkerSide:
         self.shape: tuple[int, int] | None = None  # the realizer's (layers, block size)
         self.report_realize = False  # set when span realization is configured
         self.realize_why: str | None = None  # why this worker has no realizer (reported once)
-        self.fetcher: Any = None  # lmcache_fetch.HostFetcher (donor_store: lmcache)
-        self.spans = SpanJobs(self, transfer_timeout_s)  # realized spans, op to report
+        self.spans = SpanJobs(self.reports, self.slots, self.stats, self.timings,
+                              transfer_timeout_s, drain_saves=self.drain_saves,
+                              floor=self._floor_span)  # realized spans, op to report
 
     # -- setup -----------------------------------------------------------------------------
+    @property
+    def slot_generation(self) -> list[int]:
+        return self.slots.generation
+
+    @slot_generation.setter
+    def slot_generation(self, generation: list[int]) -> None:
+        self.slots.generation = generation
+
+    @property
+    def fetcher(self) -> Any:
+        """``lmcache_fetch.HostFetcher`` (``donor_store: lmcache``), set by the connector."""
+        return self.spans.fetcher
+
+    @fetcher.setter
+    def fetcher(self, fetcher: Any) -> None:
+        self.spans.fetcher = fetcher
+
     @property
     def realizer(self) -> SpanRealizer | None:
         return self._realizer
@@ -121,9 +143,9 @@ class WorkerSide:
         runner, layout = getattr(realizer, "runner", None), getattr(realizer, "layout", None)
         self.shape = (None if runner is None or layout is None
                       else (int(runner.num_layers), int(layout.block_size)))
-        calibrate = getattr(realizer, "calibrate", None)
-        if callable(calibrate):
-            self._calibration = list(calibrate())
+        self.spans.realizer, self.spans.shape = realizer, self.shape
+        if isinstance(realizer, SpanRealizer):
+            self._calibration = list(calibrate(realizer))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = dict(kv_caches)
@@ -145,12 +167,8 @@ class WorkerSide:
         self._maps.clear()  # token maps live for one step (keyed by the step's op objects)
 
     # -- loads -----------------------------------------------------------------------------
-    def _current(self, slots: list[int], generations: list[int]) -> bool:
-        """Do these store slots still hold the generations the scheduler planned with?"""
-        return all(self.slot_generation[s] == g for s, g in zip(slots, generations, strict=True))
-
     def _valid(self, op: LoadOp) -> bool:
-        return self._current(op.slots, op.generations)
+        return self.slots.current(op.slots, op.generations)
 
     def start_load_kv(self) -> None:
         with self.timings.excluded():  # before or after the forward: never part of it
@@ -193,7 +211,7 @@ class WorkerSide:
                 self._fail(op, type(exc).__name__)
                 continue
             if not self._pending_layers_for(op):
-                self._done(op, counted=op.request_id not in self._failed)
+                self._done(op, counted=op.request_id not in self.reports.failed)
 
     def _blocks(self, op: LoadOp | SaveOp, name: str) -> tuple[list[int], list[int]]:
         """(slots, blocks) of ``op`` for layer ``name``: its group's blocks, without the
@@ -231,6 +249,11 @@ class WorkerSide:
             raise RuntimeError("kv_floor needs the page layout (token-level access)")
         round_blocks_fp8(kv, [b for b in block_ids if b != NO_BLOCK], self.layout)
 
+    def _floor_span(self, op: RealizeOp) -> None:
+        """``kv_floor`` over a realized span's blocks, in every layer (its group's blocks)."""
+        for name, kv in self.kv_caches.items():
+            self._floor(op.kv_floor, kv, op.span_blocks(self.group_of.get(name, 0)))
+
     def _token_map(self, op: LoadOp) -> tuple[torch.Tensor, torch.Tensor]:
         """Per target token: index into the op's donor pages, and its position shift."""
         cached = self._maps.get(id(op))
@@ -253,25 +276,26 @@ class WorkerSide:
     def _done(self, op: LoadOp, counted: bool = True) -> None:
         self._maps.pop(id(op), None)
         if counted:
-            self._loaded[op.request_id] = len(op.block_ids)
+            self.reports.loaded[op.request_id] = len(op.block_ids)
             self.stats.inc("loaded_blocks", amount=len(op.block_ids))
         if op.asynchronous:
-            self._finished_recving.add(op.request_id)
+            self.reports.finished_recving.add(op.request_id)
 
     def _fail(self, op: LoadOp, why: str) -> None:
         self._maps.pop(id(op), None)
+        r = self.reports
         if op.groups is None:
-            self._invalid_blocks.update(b for b in op.block_ids if b != NO_BLOCK)
+            r.invalid_blocks.update(b for b in op.block_ids if b != NO_BLOCK)
         else:  # vLLM maps invalid block ids back to requests for one group only
-            self._failed_recving.add(op.request_id)
-        self._failed.add(op.request_id)
-        self._loaded.pop(op.request_id, None)
+            r.failed_recving.add(op.request_id)
+        r.failed.add(op.request_id)
+        r.loaded.pop(op.request_id, None)
         if op.request_id not in self._failed_counted:  # layerwise loads fail once per layer
             self._failed_counted.add(op.request_id)
             self.stats.inc("materialize_failed")
             self.stats.inc("invalid_blocks", amount=len(op.block_ids))
         if op.asynchronous:
-            self._finished_recving.add(op.request_id)
+            r.finished_recving.add(op.request_id)
         log.warning("load_failed", request_id=op.request_id, blocks=len(op.block_ids), why=why)
 
     # -- saves -----------------------------------------------------------------------------
@@ -314,13 +338,11 @@ class WorkerSide:
                     slots, ids = self._blocks(op, name)
                     copy_blocks(kv, ids, self.store[name], slots)
             except Exception as exc:  # noqa: BLE001 - an unsaved block is a future miss
-                for slot in op.slots:
-                    self.slot_generation[slot] = -1
+                self.slots.mark(op.slots, op.generations, ok=False)
                 log.warning("save_failed", blocks=len(op.block_ids),
                             error_type=type(exc).__name__)
                 continue
-            for slot, generation in zip(op.slots, op.generations, strict=False):
-                self.slot_generation[slot] = generation
+            self.slots.mark(op.slots, op.generations)
             saved += len(op.slots)
         return _SaveResult(saved, time.perf_counter() - started)
 
@@ -343,16 +365,13 @@ class WorkerSide:
     def take_finished_recving(self, finished_req_ids: set[str] | None = None) -> set[str]:
         idle = self._meta is not None and self._meta.idle
         self.spans.advance(finished_req_ids or set(), idle=idle)
-        done, self._finished_recving = self._finished_recving, set()
-        return done
+        return self.reports.take_finished_recving()
 
     def take_failed_recving(self) -> set[str]:
-        failed, self._failed_recving = self._failed_recving, set()
-        return failed
+        return self.reports.take_failed_recving()
 
     def take_invalid_blocks(self) -> set[int]:
-        invalid, self._invalid_blocks = self._invalid_blocks, set()
-        return invalid
+        return self.reports.take_invalid_blocks()
 
     def take_worker_meta(self) -> SemkvWorkerMetadata | None:
         layout = realize = None
@@ -362,12 +381,13 @@ class WorkerSide:
         if self.report_realize:
             realize, self.report_realize = self.realizer is not None, False
             realizations, self._calibration = self._calibration + realizations, []
-        if not (self._loaded or self._failed or forwards or realizations) and (
+        r = self.reports
+        if not (r.loaded or r.failed or forwards or realizations) and (
                 layout is None and realize is None):
             return None
-        meta = SemkvWorkerMetadata(dict(self._loaded), set(self._failed), layout, realize,
-                                   dict(self._recomputed), forwards, realizations,
+        meta = SemkvWorkerMetadata(dict(r.loaded), set(r.failed), layout, realize,
+                                   dict(r.recomputed), forwards, realizations,
                                    realize_why=self.realize_why if realize is False else None)
-        self._loaded, self._failed, self._failed_counted = {}, set(), set()
-        self._recomputed = {}
+        r.loaded, r.failed, self._failed_counted = {}, set(), set()
+        r.recomputed = {}
         return meta
