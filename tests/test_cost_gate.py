@@ -288,23 +288,27 @@ def _side(requests: dict[str, tuple[int, int]], spans: bool = True) -> Any:
 
 def test_the_scheduler_attaches_the_work_of_prefill_steps_only() -> None:
     _vllm()
-    from semkv_vllm.cost_gate import EngineCost
+    from semkv_vllm.cost_gate import step_work
 
-    side = _side({"a": (0, 2000), "b": (1024, 2000), "c": (1500, 1500), "d": (1600, 1500)})
+    requests = _side({"a": (0, 2000), "b": (1024, 2000), "c": (1500, 1500),
+                      "d": (1600, 1500)}).requests
     out = SimpleNamespace(num_scheduled_tokens={"a": 1000, "c": 1})
-    assert EngineCost.step_work(side, out) == StepWork(
+    assert step_work(requests, out) == StepWork(
         1001, chunk_attention(0, 1000) + chunk_attention(1500, 1))
     chunk = SimpleNamespace(num_scheduled_tokens={"b": 976})
-    assert EngineCost.step_work(side, chunk) == StepWork(976, chunk_attention(1024, 976))
+    assert step_work(requests, chunk) == StepWork(976, chunk_attention(1024, 976))
     decode = SimpleNamespace(num_scheduled_tokens={"c": 1, "d": 1})
-    assert EngineCost.step_work(side, decode) is None  # no prefill: not a prefill rate
+    assert step_work(requests, decode) is None  # no prefill: not a prefill rate
     mostly = SimpleNamespace(num_scheduled_tokens={"a": 1, "c": 1, "d": 1})
-    assert EngineCost.step_work(side, mostly) is None  # decode tokens are the majority
+    assert step_work(requests, mostly) is None  # decode tokens are the majority
     unknown = SimpleNamespace(num_scheduled_tokens={"a": 100, "zz": 100})
-    assert EngineCost.step_work(side, unknown) is None
-    off = _side({"a": (0, 2000)}, spans=False)
-    assert EngineCost.step_work(off, SimpleNamespace(num_scheduled_tokens={"a": 10})) is None
-    assert EngineCost.step_work(None, out) is None
+    assert step_work(requests, unknown) is None
+    # the scheduler side attaches it only where spans are priced (a real SchedulerSide)
+    from tests.test_vllm_scheduler import EXACT
+    from tests.vllm_harness import make_harness
+
+    exact_only = make_harness(EXACT)  # no realized spans: nothing to price
+    assert exact_only.side.spans is None and exact_only.side.step_work(out) is None
 
 
 class _Clock:
@@ -353,7 +357,10 @@ def test_the_calibration_goes_out_once_with_the_first_report_and_feeds_the_gate(
     from semkv_vllm.cost_gate import EngineCost
     from semkv_vllm.metadata import SemkvWorkerMetadata
     from semkv_vllm.worker import WorkerSide
+    from semkv_vllm.worker_capabilities import WorkerCapabilities
     from semkv_vllm.worker_feedback import apply_worker_meta
+
+    from semkv.metrics import CounterBag
 
     samples = [(RealizeWork(256, 256.0, 32896.0), 0.6), (RealizeWork(992, 64.0, 32768.0), 0.3)]
     realizer = SimpleNamespace(runner=SimpleNamespace(num_layers=30),
@@ -369,9 +376,11 @@ def test_the_calibration_goes_out_once_with_the_first_report_and_feeds_the_gate(
     meta = worker.take_worker_meta()
     assert meta is not None and meta.can_realize and meta.realizations == samples
     assert worker.take_worker_meta() is None  # once
-    side = SimpleNamespace(layout_known=None, can_realize=None, cost_gate=EngineCost(1024, 30))
-    apply_worker_meta(side, meta)  # type: ignore[arg-type]
-    assert side.cost_gate.rates.realize.samples == 2
+    workers, gate = WorkerCapabilities(), EngineCost(1024, 30)
+    apply_worker_meta(meta, workers, cost_gate=gate, stats=CounterBag(), requests={},
+                      block_size=BS, end_fetches=lambda st: None)
+    assert gate.rates.realize.samples == 2
+    assert workers.can_realize is True and workers.layout_known is None  # layout not reported
     # tensor-parallel ranks time the same work: the slowest rank's seconds count
     a = SemkvWorkerMetadata(forwards=[(StepWork(8, 36), 0.1)], realizations=samples)
     b = SemkvWorkerMetadata(forwards=[(StepWork(8, 36), 0.3)], realizations=samples[:1])

@@ -430,7 +430,7 @@ class SemanticKVConnector(SleepModeUnsupported, KVConnectorBase_V1, SupportsHMA)
         assert self._scheduler is not None
         with self._timed():
             meta = self._scheduler.build_connector_meta(scheduler_output)
-            meta.step = EngineCost.step_work(self._scheduler, scheduler_output)  # cost gate
+            meta.step = self._scheduler.step_work(scheduler_output)  # cost gate
         if self._shared is not None:
             meta.shared = self._shared.build_connector_meta(scheduler_output)
             keep_out = self._scheduler.keeps_out_of_shared_store

@@ -41,8 +41,8 @@ NOTE: counts and seconds only; token ids never enter a sample.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from semkv.cost import (
     EngineRates,
@@ -63,9 +63,6 @@ from semkv.realize.recompute import (
 )
 from semkv.span_plan import SpanPlan
 from semkv_vllm.metadata import RealizeOp, SemkvWorkerMetadata
-
-if TYPE_CHECKING:
-    from semkv_vllm.scheduler import SchedulerSide
 
 Runs = list[tuple[int, int]]
 
@@ -173,21 +170,20 @@ class EngineCost:
         for work, seconds in meta.realizations:
             self.rates.add_realization(work, seconds)
 
-    @staticmethod
-    def step_work(side: SchedulerSide | None, scheduler_output: Any) -> StepWork | None:
-        """This step's forward work, when the step prefills and the cost gate is on (the
-        connector attaches it to the step's metadata; the workers time the forward)."""
-        if side is None or side.spans is None or side.cost_gate is None:
-            return None
-        tokens = attention = prefill = 0
-        for rid, n in scheduler_output.num_scheduled_tokens.items():
-            st = side.requests.get(rid)
-            if st is None:
-                return None  # a request semkv does not know: the step's work is unknown
-            done, prompt = st.request.num_computed_tokens, st.request.num_prompt_tokens
-            tokens += n
-            attention += chunk_attention(done, n)
-            prefill += max(0, min(n, prompt - done))
-        if prefill == 0 or 2 * prefill < tokens:
-            return None  # no prefill, or mostly decode tokens
-        return StepWork(tokens, attention)
+
+def step_work(requests: Mapping[str, Any], scheduler_output: Any) -> StepWork | None:
+    """This step's forward work when it is mostly prefill (the connector attaches it to the
+    step's metadata when the cost gate is on; the workers time the forward). ``requests``: the
+    scheduler side's state per request id (its vLLM ``request``)."""
+    tokens = attention = prefill = 0
+    for rid, n in scheduler_output.num_scheduled_tokens.items():
+        st = requests.get(rid)
+        if st is None:
+            return None  # a request semkv does not know: the step's work is unknown
+        done, prompt = st.request.num_computed_tokens, st.request.num_prompt_tokens
+        tokens += n
+        attention += chunk_attention(done, n)
+        prefill += max(0, min(n, prompt - done))
+    if prefill == 0 or 2 * prefill < tokens:
+        return None  # no prefill, or mostly decode tokens
+    return StepWork(tokens, attention)

@@ -47,6 +47,7 @@ from vllm.v1.request import RequestStatus
 from semkv.admission import Admission, DonorView
 from semkv.anchor_cache import ANCHOR_CACHE
 from semkv.config import SemkvConfig
+from semkv.cost import StepWork
 from semkv.gates import full_prompt_cap
 from semkv.leases import LeaseTable
 from semkv.log import get_logger
@@ -62,6 +63,7 @@ from semkv.types import (
     QualityTier,
     SemanticKVMatch,
 )
+from semkv_vllm.cost_gate import step_work
 from semkv_vllm.donor_registry import Donor, DonorRegistry
 from semkv_vllm.engine_support import EngineSupport
 from semkv_vllm.finish_order import FinishOrder
@@ -84,6 +86,7 @@ from semkv_vllm.span_decision import SpanDecision
 from semkv_vllm.store_index import StoreIndex
 from semkv_vllm.vllm_compat import skips_external_kv
 from semkv_vllm.window_pins import WindowPins
+from semkv_vllm.worker_capabilities import WorkerCapabilities
 from semkv_vllm.worker_feedback import apply_worker_meta
 
 log = get_logger("semkv.vllm.scheduler")
@@ -108,10 +111,7 @@ class SchedulerSide:
         self.step_lookups = StepBudget()
         self.can_shift = can_shift  # positions of this model's keys can be moved (RoPE)
         self.finish_order = FinishOrder()
-        # What the workers reported with their first step (None: no report yet)
-        self.layout_known: bool | None = None  # every worker has a known page layout
-        self.can_realize: bool | None = None  # every worker can realize spans
-        self.realize_why: str | None = None  # why not, when a worker cannot
+        self.workers = WorkerCapabilities()  # what they reported with their first step
         self.request_only_enforced = request_only_enforced
         # Shared donor store: (request, local prefix) -> tokens it can load beyond the local
         # prefix, None while its lookup runs. Such stores load between steps.
@@ -169,20 +169,21 @@ class SchedulerSide:
         self._exported: dict[str, int] = {}  # the guard's counters, as last exported
 
     def workers_refusal(self) -> str | None:
-        """Why the workers cannot realize spans (None: they can; so far unreported counts as
-        cannot). A worker that can realize re-rotates with its runner's own per-layer tables
-        (built, or refused, at its start-up): ``can_shift`` is about KV edits only."""
-        if self.layout_known is None or self.can_realize is None:
-            return "the workers have not reported what they can do yet"
-        if not self.layout_known:
-            return "the attention backend's page layout is unknown"
-        if not self.can_realize:
-            return self.realize_why or "the workers cannot realize spans"
-        return None
+        return self.workers.refusal()
 
     @property
     def workers_reported(self) -> bool:
-        return self.layout_known is not None or self.can_realize is not None
+        return self.workers.reported
+
+    @property
+    def layout_known(self) -> bool | None:
+        return self.workers.layout_known
+
+    def step_work(self, scheduler_output: Any) -> StepWork | None:
+        """The step's forward work for the workers to time, when spans are priced."""
+        if self.spans is None or self.cost_gate is None:
+            return None
+        return step_work(self.requests, scheduler_output)
 
     @property
     def donors(self) -> dict[str, Donor]:
@@ -514,7 +515,9 @@ class SchedulerSide:
 
     # -- worker feedback and finish ----------------------------------------------------------
     def update_connector_output(self, worker_meta: Any) -> None:
-        apply_worker_meta(self, worker_meta)
+        apply_worker_meta(worker_meta, self.workers, cost_gate=self.cost_gate, stats=self.stats,
+                          requests=self.requests, block_size=self.bs,
+                          end_fetches=self.end_fetches)
 
     def request_finished(self, request: Any, *,
                          shared_delays_free: bool = False) -> dict[str, Any] | None:
