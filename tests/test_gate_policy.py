@@ -223,9 +223,12 @@ def test_discovery_only_counts_what_the_class_gate_would_do(bundled_identity) ->
     tokens, its class, and whether the policy would serve it; nothing is held."""
     from types import SimpleNamespace
 
+    from semkv_vllm.engine_support import EngineSupport
     from semkv_vllm.span_decision import SpanDecision
+    from semkv_vllm.worker_capabilities import WorkerCapabilities
 
     from semkv.admission import DonorView
+    from semkv.leases import LeaseTable
     from semkv.metrics import CounterBag
     from semkv.namespace import Namespace
     from semkv.types import Candidate
@@ -234,11 +237,13 @@ def test_discovery_only_counts_what_the_class_gate_would_do(bundled_identity) ->
     ns = Namespace(**{f: 1 if f in ints else "x" for f in Namespace.model_fields})
     doc = list(range(1000, 1640))  # 20 blocks of 32
     views = {"d": DonorView("d", ns.digest, [7] * 64 + doc, 0)}  # nothing stored: discovery
-    side = SimpleNamespace(
-        class_gate=ClassGate.from_config(SemkvConfig.load({}), bundled_identity), bs=32,
-        config=SemkvConfig.load({}), stats=CounterBag(), donor_view=views.get,
-        foreign=SimpleNamespace(fetchable={}))
-    decision = SpanDecision(side)  # type: ignore[arg-type]
+    stats = CounterBag()
+    decision = SpanDecision(
+        spans=None, leases=LeaseTable(), stats=stats, block_size=32,
+        class_gate=ClassGate.from_config(SemkvConfig.load({}), bundled_identity),
+        min_copied_tokens=SemkvConfig.load({}).verified_min_reuse_tokens, span_view=views.get,
+        request_only_enforced=lambda: True, support=EngineSupport(), workers=WorkerCapabilities(),
+        can_shift=True)
     cand = [Candidate(donor_id="d", namespace=ns.digest, similarity=0.9, num_tokens=704)]
 
     def state(tokens: list[int]) -> SimpleNamespace:
@@ -247,7 +252,7 @@ def test_discovery_only_counts_what_the_class_gate_would_do(bundled_identity) ->
     decision.count_would(state([9] * 96 + doc + [5] * 40), 0, cand)  # another instruction
     half = len(doc) // 2
     decision.count_would(state([9] * 96 + doc[half:] + doc[:half] + [5] * 40), 0, cand)
-    assert side.stats.counters == {"would_realize_spans:one_donor_in_order": 1,
+    assert stats.counters == {"would_realize_spans:one_donor_in_order": 1,
                                    "would_refuse_spans:one_donor_reordered": 1}
 
 

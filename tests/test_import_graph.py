@@ -173,9 +173,7 @@ def test_no_import_cycle_among_semkv_and_semkv_vllm_modules() -> None:
 
 
 # The adapter's helpers are handed what they need, not the object that drives them (issue #69):
-# no cycle even through a type-only import. NOTE: the scheduler side's circle is the one left
-# (span_decision still takes the whole SchedulerSide); a new cycle, or a longer one, fails.
-ADAPTER_CYCLES_LEFT = [["semkv_vllm.scheduler", "semkv_vllm.span_decision"]]
+# no cycle even through a type-only import.
 
 
 def test_the_check_sees_a_type_only_cycle_when_asked(tmp_path: Path) -> None:
@@ -190,7 +188,7 @@ def test_the_check_sees_a_type_only_cycle_when_asked(tmp_path: Path) -> None:
 
 def test_no_cycle_in_the_adapter_even_through_type_only_imports() -> None:
     edges, _ = graph({"semkv_vllm": PACKAGES["semkv_vllm"]}, type_checking=True)
-    assert cycles(edges) == ADAPTER_CYCLES_LEFT
+    assert cycles(edges) == []
 
 
 def test_the_core_imports_neither_the_adapter_nor_vllm() -> None:

@@ -140,7 +140,7 @@ def test_request_only_span_never_becomes_exact_prefix_state(h):
 def test_span_without_rotary_support_is_rejected_and_counted(h):
     body = doc(11, 320)
     _serve_donor(h, doc(12, 64) + body)
-    h.side.can_shift = False
+    h.side.span_decision.can_shift = False  # a model whose key positions cannot move
     target = body + doc(13, 40)
     h.add("t", target)
     assert _own_kv_after_prefill(h, "t", target)
@@ -256,7 +256,10 @@ def test_an_engine_whose_kv_groups_semkv_cannot_address_serves_and_stores_nothin
     h = harness(SEMANTIC, scheduler_cls=CommitPolicyScheduler)
     tokens = doc(18, 300)
     limit = Limit(FallbackReason.UNSUPPORTED_KV_GROUPS, "kv_groups", "2 KV-cache group(s)")
-    h.side.support = EngineSupport(exact=limit, non_exact=limit, realize=limit)
+    # the engine's support, as the connector would have found it (the scheduler side and its
+    # span decision are handed the same object at start-up)
+    h.side.support = h.side.span_decision.support = EngineSupport(
+        exact=limit, non_exact=limit, realize=limit)
     h.add("donor", tokens)
     h.run()
     assert not h.side.donors  # nothing registered

@@ -44,7 +44,7 @@ class EngineSupport:
     ``groups``: the engine's KV-cache groups (several: per-group copies, loads asynchronous);
     ``windows``: each group's sliding window (None: full attention).
     NOTE: read once at start-up from the engine's configuration; the workers' own limits (page
-    layout, the model's family) come with their first step (``SchedulerSide.can_realize``).
+    layout, the model's family) come with their first step (``WorkerCapabilities``).
     """
 
     exact: Limit | None = None

@@ -109,7 +109,6 @@ class SchedulerSide:
         self.support = support  # what this engine's requests can take (engine_support.py)
         self.provider = provider
         self.step_lookups = StepBudget()
-        self.can_shift = can_shift  # positions of this model's keys can be moved (RoPE)
         self.finish_order = FinishOrder()
         self.workers = WorkerCapabilities()  # what they reported with their first step
         self.request_only_enforced = request_only_enforced
@@ -158,7 +157,11 @@ class SchedulerSide:
                                     timeout_s=config.transfer_timeout_s)
                         if self.spans is not None and self.fetch_lookups is not None else None)
         self.recompute = strategy_of(config)  # the engine's; a request's options lay over it
-        self.span_decision = SpanDecision(self)
+        self.span_decision = SpanDecision(
+            spans=self.spans, leases=self.leases, class_gate=class_gate, stats=self.stats,
+            block_size=block_size, min_copied_tokens=config.verified_min_reuse_tokens,
+            span_view=self._span_view, request_only_enforced=request_only_enforced,
+            support=support, workers=self.workers, can_shift=can_shift)
         if provider is not None:
             provider.known = lambda d: d in self.registry.donors or self.foreign.is_shared(d)
         self.hook_seconds = 0.0  # connector hooks' time since the last stats export
@@ -414,6 +417,10 @@ class SchedulerSide:
     def donor_view(self, donor_id: str) -> DonorView | None:
         return (self.foreign.shared.get(donor_id) or self.registry.view(donor_id)
                 or self.foreign.remote.get(donor_id))
+
+    def _span_view(self, donor_id: str) -> DonorView | None:
+        """Span planning also sees other engines' donors whose KV it can fetch."""
+        return self.donor_view(donor_id) or self.foreign.fetchable.get(donor_id)
 
     def _pin(self, st: RequestState, match: SemanticKVMatch) -> bool:
         if not self.materialize or self.foreign.is_shared(match.donor_id):

@@ -22,32 +22,55 @@ for the single-donor match. An exact match the plan would have beaten is served 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from semkv.admission import Assessment, DonorView
+from semkv.leases import LeaseTable
+from semkv.metrics import CounterBag
 from semkv.plan_class import plan_class
 from semkv.span_plan import plan_span
 from semkv.types import Candidate, FallbackReason, QualityTier, SemanticKVMatch
+from semkv_vllm.engine_support import EngineSupport
 from semkv_vllm.request_state import RequestState
-
-if TYPE_CHECKING:
-    from semkv_vllm.scheduler import SchedulerSide
+from semkv_vllm.span_admission import SpanAdmission
+from semkv_vllm.worker_capabilities import WorkerCapabilities
 
 
 class SpanDecision:
-    def __init__(self, side: SchedulerSide) -> None:
-        self.side = side  # the worker-reported state, holds and counters live there
+    """Handed by ``SchedulerSide`` what the decisions read: span admission (None: no realized
+    spans), the lease table (a superseded match's lease is released), the class gate and the
+    counters (``count_would``), the block size and the least copied tokens a plan takes,
+    ``span_view`` (a donor's tokens, other engines' fetchable ones included), whether
+    request-only reuse is enforced, what the engine supports, the workers' capabilities, and
+    whether this model's key positions can be moved (``can_shift``)."""
+
+    def __init__(self, *, spans: SpanAdmission | None, leases: LeaseTable, class_gate: Any,
+                 stats: CounterBag, block_size: int, min_copied_tokens: int,
+                 span_view: Callable[[str], DonorView | None],
+                 request_only_enforced: Callable[[], bool], support: EngineSupport,
+                 workers: WorkerCapabilities, can_shift: bool) -> None:
+        self.spans = spans
+        self.leases = leases
+        self.class_gate = class_gate
+        self.stats = stats
+        self.bs = block_size
+        self.min_copied_tokens = min_copied_tokens
+        self.span_view = span_view
+        self.request_only_enforced = request_only_enforced
+        self.support = support
+        self.workers = workers
+        self.can_shift = can_shift  # positions of this model's keys can be moved (RoPE)
 
     def realize(self, st: RequestState, local: int, candidates: list[Candidate],
                 match: SemanticKVMatch) -> SemanticKVMatch | None:
         """The realized span's answer, a fallback, or None (``match`` stands)."""
-        side = self.side
-        assert side.spans is not None
+        spans = self.spans
+        assert spans is not None
         rid = st.request.request_id
         exact = match if match.is_hit and match.quality_tier is QualityTier.EXACT else None
         refusal = self.refuse_non_exact(st.assessment, realize=True)
-        planned = (refusal if refusal is not None else side.spans.plan(
+        planned = (refusal if refusal is not None else spans.plan(
             rid, st.request.all_token_ids, local, candidates, self.span_view,
             st.namespace.digest, exact, st.recompute,
             st.options.reuse_until if st.options is not None else None,
@@ -55,21 +78,21 @@ class SpanDecision:
         # a plan was made, then refused (a gate, the engine's limits, a stale donor): the
         # request falls back as that refusal (a plan is a tuple: not hashable)
         planned_now = refusal is None  # refused_class is the last plan's: this one's only now
-        refused_class = (side.spans.refused_class
+        refused_class = (spans.refused_class
                          if planned_now and isinstance(planned, FallbackReason) else None)
         engine_refused = refused_class is not None
         if isinstance(planned, FallbackReason) and engine_refused:
             st.refused_span = (refused_class, planned)
         if not isinstance(planned, FallbackReason):
             if match.is_hit:
-                side.leases.release(match.donor_lease_id or "")
+                self.leases.release(match.donor_lease_id or "")
             realized, st.span = planned
             return realized
         if exact is not None:
             return None  # the exact tier serves it
         if match.is_hit or engine_refused:
             if match.is_hit:
-                side.leases.release(match.donor_lease_id or "")
+                self.leases.release(match.donor_lease_id or "")
             return SemanticKVMatch.fallback(rid, planned, local_prefix_tokens=local)
         return None
 
@@ -77,43 +100,38 @@ class SpanDecision:
         """``discovery_only``: the class of the plan a realization would make, and whether the
         gate policy would serve it (``would_realize_spans`` / ``would_refuse_spans``). Nothing
         is held or loaded; the cost gate is not priced (no realization ran to learn from)."""
-        side = self.side
-        if side.class_gate is None:
+        if self.class_gate is None:
             return
         ns = st.namespace.digest
         donors: dict[str, Sequence[int]] = {}
         for c in candidates:
             v = self.span_view(c.donor_id)
-            whole = 0 if v is None else len(v.token_ids) - len(v.token_ids) % side.bs
+            whole = 0 if v is None else len(v.token_ids) - len(v.token_ids) % self.bs
             if v is not None and c.namespace == ns and v.namespace == ns and whole > 0:
                 donors[c.donor_id] = v.token_ids[:whole]
-        least = side.config.verified_min_reuse_tokens
         plan = (plan_span(st.request.all_token_ids, donors, local_tokens=local,
-                          block_size=side.bs, min_copied_tokens=least, namespace=ns)
+                          block_size=self.bs, min_copied_tokens=self.min_copied_tokens,
+                          namespace=ns)
                 if donors else None)
         if plan is not None:
             cls = plan_class(plan)
-            served = side.class_gate.served(cls, len(st.request.all_token_ids))
-            side.stats.inc("would_realize_spans" if served
+            served = self.class_gate.served(cls, len(st.request.all_token_ids))
+            self.stats.inc("would_realize_spans" if served
                            else "would_refuse_spans", cls.value)
-
-    def span_view(self, donor_id: str) -> DonorView | None:
-        """Span planning also sees other engines' donors whose KV it can fetch."""
-        return self.side.donor_view(donor_id) or self.side.foreign.fetchable.get(donor_id)
 
     def refuse_non_exact(self, assessment: Assessment | None,
                          realize: bool = False) -> FallbackReason | None:
-        side = self.side
-        if not side.request_only_enforced():
+        if not self.request_only_enforced():
             return FallbackReason.RECOMPUTE_POLICY  # loaded KV could become exact cache state
         if realize:
-            if side.support.realize is not None:
+            if self.support.realize is not None:
                 return None  # planned: refused as the engine's limit, with its class
-            return (None if side.workers_refusal() is None
+            return (None if self.workers.refusal() is None
                     else FallbackReason.UNSUPPORTED_REQUEST)
-        if side.support.non_exact is not None:
-            return side.support.non_exact.reason  # the engine's KV cache cannot take it
+        if self.support.non_exact is not None:
+            return self.support.non_exact.reason  # the engine's KV cache cannot take it
         span = assessment.span if assessment is not None else None
-        if span is None or not side.layout_known or (span.shifted and not side.can_shift):
+        if span is None or not self.workers.layout_known or (
+                span.shifted and not self.can_shift):
             return FallbackReason.UNSUPPORTED_REQUEST  # pages or positions cannot be edited
         return None
