@@ -27,6 +27,7 @@ from pydantic import BaseModel, Field
 
 from semkv.discovery_store import SharedStoreConfig
 from semkv.provider import DonorProvider, DonorRecord, LookupQuery, ProviderCapabilities
+from semkv.shared_or_local import SharedOrLocal
 from semkv.types import Candidate
 from semkv_chunks.runs import best_runs, candidates
 
@@ -53,7 +54,7 @@ class _Donor:
     prefix_keys: list[_Key] = field(default_factory=list)
 
 
-class ChunksProvider(DonorProvider):
+class ChunksProvider(SharedOrLocal, DonorProvider):
     name = "chunks"
     capabilities = ProviderCapabilities(reports_spans=True)
     Config = ChunksConfig
@@ -122,21 +123,10 @@ class ChunksProvider(DonorProvider):
                     if not postings:
                         del index[key]
 
-    def evict(self, donor_id: str) -> None:
-        if self._shared is not None:
-            self._shared.donors.evict(donor_id)
-            return
-        with self._lock:
-            self._forget(donor_id)
-
-    def reset(self) -> None:
-        if self._shared is not None:
-            self._shared.donors.reset()
-            return
-        with self._lock:
-            self._donors.clear()
-            self._spans.clear()
-            self._prefixes.clear()
+    def _clear(self) -> None:
+        self._donors.clear()
+        self._spans.clear()
+        self._prefixes.clear()
 
     def lookup(self, query: LookupQuery) -> list[Candidate]:
         if self._shared is not None:
@@ -152,16 +142,6 @@ class ChunksProvider(DonorProvider):
             lengths = {d: self._donors[d].length for d in best}
         return candidates(best, lengths, ns, self.chunk, len(query.token_ids),
                           query.max_candidates)
-
-    def donor_tokens(self, donor_id: str, namespace: str) -> tuple[int, ...] | None:
-        return None if self._shared is None else self._shared.donors.tokens(donor_id, namespace)
-
-    def donors_tokens(self, donor_ids: Sequence[str],
-                      namespace: str) -> dict[str, tuple[int, ...] | None]:
-        """Several donors' token ids in one round trip to the shared store."""
-        if self._shared is None:
-            return dict.fromkeys(donor_ids)
-        return self._shared.donors.tokens_many(donor_ids, namespace)
 
     def donor_memory_bytes(self, num_tokens: int) -> int:
         """Per chunk a span and a prefix posting (key tuple, posting dict entry) and the

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
@@ -41,6 +40,7 @@ from semkv.provider import (
     ProviderCapabilities,
     ProviderContext,
 )
+from semkv.shared_or_local import SharedOrLocal
 from semkv.types import Candidate
 from semkv_minhash.rank import rank
 
@@ -82,7 +82,7 @@ class MinHashConfig(SharedStoreConfig):
     )
 
 
-class MinHashProvider(DonorProvider):
+class MinHashProvider(SharedOrLocal, DonorProvider):
     name = "minhash"
     capabilities = ProviderCapabilities(needs_text=False, reports_spans=False)
     Config = MinHashConfig
@@ -162,20 +162,6 @@ class MinHashProvider(DonorProvider):
             del self._per_namespace[ns]
             del self._lsh[ns]
 
-    def evict(self, donor_id: str) -> None:
-        if self._shared is not None:
-            self._shared.donors.evict(donor_id)
-            return
-        with self._lock:
-            self._forget(donor_id)
-
-    def reset(self) -> None:
-        if self._shared is not None:
-            self._shared.donors.reset()
-            return
-        with self._lock:
-            self._clear()
-
     def donor_memory_bytes(self, num_tokens: int) -> int:
         """The signature and one LSH entry per band, whatever the length (measured: ~5.3 KB
         at 128 permutations; tests/test_index_memory.py)."""
@@ -225,16 +211,6 @@ class MinHashProvider(DonorProvider):
             donor_sizes = np.array([self._shingles_of[k] for k in keys], dtype=np.float64)
         return rank(np, keys, donor_sigs, donor_sizes, signature, len(hashes), ns,
                     query.max_candidates)
-
-    def donor_tokens(self, donor_id: str, namespace: str) -> tuple[int, ...] | None:
-        return None if self._shared is None else self._shared.donors.tokens(donor_id, namespace)
-
-    def donors_tokens(self, donor_ids: Sequence[str],
-                      namespace: str) -> dict[str, tuple[int, ...] | None]:
-        """Several donors' token ids in one round trip to the shared store."""
-        if self._shared is None:
-            return dict.fromkeys(donor_ids)
-        return self._shared.donors.tokens_many(donor_ids, namespace)
 
     def stats(self) -> dict[str, float]:
         with self._lock:
