@@ -372,7 +372,7 @@ def test_the_calibration_goes_out_once_with_the_first_report_and_feeds_the_gate(
     worker = WorkerSide(num_slots=4)
     worker.realizer = realizer  # type: ignore[assignment]
     worker.report_realize = True
-    assert worker.shape == (30, BS)
+    assert worker.spans.shape == (30, BS)
     meta = worker.take_worker_meta()
     assert meta is not None and meta.can_realize and meta.realizations == samples
     assert worker.take_worker_meta() is None  # once

@@ -192,16 +192,11 @@ class SpanJobs:
         r.finished_recving.add(op.request_id)
 
     def fail(self, op: RealizeOp, why: str) -> None:
-        r = self.reports
         self._open.pop(op.request_id, None)
-        if op.groups is None:
-            r.invalid_blocks.update(op.block_ids)
-        else:  # a window group's dropped blocks, or several groups: per request (RealizeOp)
-            r.failed_recving.add(op.request_id)
-        r.failed.add(op.request_id)
-        r.loaded.pop(op.request_id, None)
+        # a window group's dropped blocks, or several groups: per request (RealizeOp)
+        self.reports.record_failure(op.request_id, op.block_ids,
+                                    per_request=op.groups is not None, received=True)
         self.stats.inc("materialize_failed")
         self.stats.inc("invalid_blocks", amount=len(op.block_ids))
-        r.finished_recving.add(op.request_id)
         log.warning("realize_failed", request_id=op.request_id, blocks=len(op.block_ids),
                     why=why)

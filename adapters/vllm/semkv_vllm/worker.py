@@ -105,8 +105,6 @@ class WorkerSide:
         self.report_layout = False  # set when token-level loads are configured
         self.timings = Timings()  # the cost gate's samples, until reported
         self._calibration: list[tuple[RealizeWork, float]] = []  # reported with report_realize
-        self._realizer: SpanRealizer | None = None
-        self.shape: tuple[int, int] | None = None  # the realizer's (layers, block size)
         self.report_realize = False  # set when span realization is configured
         self.realize_why: str | None = None  # why this worker has no realizer (reported once)
         self.spans = SpanJobs(self.reports, self.slots, self.stats, self.timings,
@@ -133,17 +131,17 @@ class WorkerSide:
 
     @property
     def realizer(self) -> SpanRealizer | None:
-        return self._realizer
+        return self.spans.realizer
 
     @realizer.setter
     def realizer(self, realizer: SpanRealizer | None) -> None:
-        """Set in ``register_kv_caches`` (start-up): the runner is timed on synthetic spans
-        then, the cost gate's first realization rates."""
-        self._realizer = realizer
+        """Set in ``register_kv_caches`` (start-up), held by ``SpanJobs`` with its shape (layers,
+        block size); the runner is timed on synthetic spans then, the cost gate's first
+        realization rates."""
         runner, layout = getattr(realizer, "runner", None), getattr(realizer, "layout", None)
-        self.shape = (None if runner is None or layout is None
-                      else (int(runner.num_layers), int(layout.block_size)))
-        self.spans.realizer, self.spans.shape = realizer, self.shape
+        self.spans.realizer = realizer
+        self.spans.shape = (None if runner is None or layout is None
+                            else (int(runner.num_layers), int(layout.block_size)))
         if isinstance(realizer, SpanRealizer):
             self._calibration = list(calibrate(realizer))
 
@@ -283,19 +281,15 @@ class WorkerSide:
 
     def _fail(self, op: LoadOp, why: str) -> None:
         self._maps.pop(id(op), None)
-        r = self.reports
-        if op.groups is None:
-            r.invalid_blocks.update(b for b in op.block_ids if b != NO_BLOCK)
-        else:  # vLLM maps invalid block ids back to requests for one group only
-            r.failed_recving.add(op.request_id)
-        r.failed.add(op.request_id)
-        r.loaded.pop(op.request_id, None)
+        # vLLM maps invalid block ids back to requests for one group only; an async load's
+        # request is reported received (vLLM then recomputes its blocks)
+        self.reports.record_failure(op.request_id, [b for b in op.block_ids if b != NO_BLOCK],
+                                    per_request=op.groups is not None,
+                                    received=op.asynchronous)
         if op.request_id not in self._failed_counted:  # layerwise loads fail once per layer
             self._failed_counted.add(op.request_id)
             self.stats.inc("materialize_failed")
             self.stats.inc("invalid_blocks", amount=len(op.block_ids))
-        if op.asynchronous:
-            r.finished_recving.add(op.request_id)
         log.warning("load_failed", request_id=op.request_id, blocks=len(op.block_ids), why=why)
 
     # -- saves -----------------------------------------------------------------------------

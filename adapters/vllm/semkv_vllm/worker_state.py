@@ -26,6 +26,20 @@ class WorkerReports:
     recomputed: dict[str, int] = field(default_factory=dict)  # realized: copied tokens recomputed
     failed: set[str] = field(default_factory=set)
 
+    def record_failure(self, request_id: str, block_ids: list[int], *, per_request: bool,
+                       received: bool) -> None:
+        """A load or realization that failed: its blocks for vLLM to recompute (one KV-cache
+        group), or the request (``per_request``: vLLM maps block ids back to requests for one
+        group only); never confirmed loaded; reported received when vLLM waits for it."""
+        if per_request:
+            self.failed_recving.add(request_id)
+        else:
+            self.invalid_blocks.update(block_ids)
+        self.failed.add(request_id)
+        self.loaded.pop(request_id, None)
+        if received:
+            self.finished_recving.add(request_id)
+
     def take_finished_recving(self) -> set[str]:
         done, self.finished_recving = self.finished_recving, set()
         return done
