@@ -36,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.engine_utils import settle, settled_reset  # noqa: E402  (the suite's own waits)
+
 EXTRA = {"provider": "minhash", "semantic_mode": "materialize_semantic",
          "semantic_tiers": ["verified"], "realize_spans": True,
          "gate_policy": "ungated", "realize_min_gain": 0.0,  # the mechanism, every class
@@ -107,21 +110,10 @@ def run(llm: Any, prompt: str, options: dict[str, Any] | None = None) -> tuple[l
     return list(out.outputs[0].token_ids), dict((out.kv_transfer_params or {}).get("semkv", {}))
 
 
-def settle(llm: Any) -> None:
-    """Step the in-process engine core until no finished request holds blocks (one whose KV
-    semkv still saves keeps them until a later step)."""
-    core = llm.llm_engine.engine_core.engine_core
-    deadline = time.monotonic() + 60
-    while core.scheduler.has_finished_requests():
-        check(time.monotonic() < deadline, "finished requests still hold KV blocks after 60 s")
-        core.step()
-        time.sleep(0.01)
-
-
 def reset(llm: Any, *, connector: bool = False) -> None:
-    """vLLM's prefix cache emptied (and semkv's store with ``connector``)."""
-    settle(llm)
-    check(llm.reset_prefix_cache(reset_connector=connector), "vLLM refused to reset its cache")
+    """vLLM's prefix cache emptied (and semkv's store with ``connector``), once no finished
+    request holds blocks."""
+    settled_reset(llm, reset_connector=connector)
 
 
 def document(seed: int) -> str:
@@ -208,8 +200,9 @@ def main() -> int:
                           f"not {args.device!r}: another build of vLLM is installed")
                     llm = build(model, args.dtype)
                 said = step_exact(llm) if name == "exact" else step_span(llm)
-        except CheckFailed as failed:
-            print(f"gpu_check: {name}: FAILED: {failed}", file=sys.stderr)
+        except Exception as failed:  # noqa: BLE001 - a failed step is named, then the exit
+            what = failed if isinstance(failed, CheckFailed) else repr(failed)
+            print(f"gpu_check: {name}: FAILED: {what}", file=sys.stderr)
             return 1
         print(f"gpu_check: {name}: ok ({time.perf_counter() - began:.1f} s): {said}", flush=True)
     print(f"gpu_check: every step passed on {args.device}")

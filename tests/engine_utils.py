@@ -141,6 +141,23 @@ def _engine(extra_config: dict[str, Any] | None, **overrides: Any) -> Iterator[A
         gc.collect()
 
 
+def settle(llm: Any, *, seconds: float = 60.0) -> Any:
+    """Step an engine core in this process until no finished request still holds blocks (a
+    request whose KV a connector still saves keeps them until a later step sees the save
+    done); returns that core, or None for an engine core in its own process (it steps by
+    itself)."""
+    import time
+
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process only
+    deadline = time.monotonic() + seconds
+    while core is not None and core.scheduler.has_finished_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError("finished requests still hold KV blocks")
+        core.step()
+        time.sleep(0.01)
+    return core
+
+
 def settled_reset(llm: Any, *, reset_connector: bool = False, seconds: float = 60.0) -> None:
     """vLLM's prefix-cache reset, once no finished request still holds blocks.
 
@@ -152,13 +169,8 @@ def settled_reset(llm: Any, *, reset_connector: bool = False, seconds: float = 6
     """
     import time
 
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process only
+    core = settle(llm, seconds=seconds)
     deadline = time.monotonic() + seconds
-    while core is not None and core.scheduler.has_finished_requests():
-        if time.monotonic() > deadline:
-            raise TimeoutError("finished requests still hold KV blocks")
-        core.step()
-        time.sleep(0.01)
     while not llm.reset_prefix_cache(reset_connector=reset_connector):
         if core is not None or time.monotonic() > deadline:
             raise RuntimeError("vLLM refused to reset its prefix cache")
